@@ -1,0 +1,20 @@
+"""Keras models tfpod trains, each a task module with the same surface.
+
+A task module declares: NAME, Config (dataclass, gin-configurable as `<NAME>.*`),
+DEFAULT_PRESET, AXIS_RULES (variable-path rules giving logical axes), build(config),
+input_signature(config), batch_axes(), synthetic_batch(config, rows, rng),
+loss_and_metrics(model, batch, training) and flops_per_token(config).
+"""
+
+from tfpod.models import gpt
+
+TASKS = {gpt.NAME: gpt}
+
+
+def get_task(name: str):
+    """The task module registered under `name`."""
+    from tfpod import UserError
+
+    if name not in TASKS:
+        raise UserError(f"experiment.model={name!r} is not a model: use one of {', '.join(sorted(TASKS))}")
+    return TASKS[name]

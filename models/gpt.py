@@ -1,0 +1,211 @@
+"""Decoder-only causal Transformer LM built from tf-models-official layers.
+
+Blocks are Model Garden `TransformerEncoderBlock`s in pre-norm (GPT-2) form with a
+causal attention mask; the token embedding is Model Garden's `OnDeviceEmbedding` in
+one-hot mode (a matmul, so a vocab-sharded table needs no scatter and its gradient is
+dense), and the output layer is tied to it (vocab-parallel logits under `tensor`).
+
+Batch contract (see tfpod.input for the pipeline that produces it):
+  inputs   int32 [batch, length]  token ids fed to the model
+  targets  int32 [batch, length]  next-token ids (inputs shifted by one)
+  weights  float32 [batch, length]  1 for real target tokens, 0 for padding
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import tensorflow as tf
+import tf_keras
+from official.nlp.modeling import layers as mg_layers
+
+from tfpod import UserError
+from tfpod.sharding import AxisRule, shard
+
+NAME = "gpt"
+DEFAULT_PRESET = "tensor"
+ACTIVATION_AXES = ("batch", "length", "embed")
+
+
+@dataclasses.dataclass
+class GPTConfig:
+    """Shape of the LM. Attributes map 1:1 to gin `gpt.<name>`."""
+
+    vocab_size: int = 8192
+    seq_len: int = 128
+    num_layers: int = 2
+    embed_dim: int = 128
+    num_heads: int = 8
+    mlp_dim: int = 512
+    dropout: float = 0.0
+    attention_dropout: float = 0.0
+    norm_epsilon: float = 1e-5
+    init_stddev: float = 0.02
+    activation: str = "gelu"
+
+    def __post_init__(self):
+        for field in ("vocab_size", "seq_len", "num_layers", "embed_dim", "num_heads", "mlp_dim"):
+            if getattr(self, field) < 1:
+                raise UserError(f"gpt.{field}={getattr(self, field)} must be positive")
+        if self.embed_dim % self.num_heads:
+            raise UserError(
+                f"gpt.embed_dim={self.embed_dim} is not divisible by gpt.num_heads={self.num_heads}: "
+                "each head gets embed_dim / num_heads dimensions"
+            )
+        for field in ("dropout", "attention_dropout"):
+            if not 0.0 <= getattr(self, field) < 1.0:
+                raise UserError(f"gpt.{field}={getattr(self, field)} must be in [0, 1)")
+
+
+# Variable names are "<model>/<layer>/.../<weight>"; one rule per kind of weight.
+AXIS_RULES = (
+    AxisRule(r".*/token_embedding/embeddings", ("vocab", "embed")),
+    AxisRule(r".*/position_embedding/embeddings", ("length", "embed")),
+    AxisRule(r".*/self_attention/(query|key|value)/kernel", ("embed", "heads", "kv")),
+    AxisRule(r".*/self_attention/(query|key|value)/bias", ("heads", "kv")),
+    AxisRule(r".*/self_attention/attention_output/kernel", ("heads", "kv", "embed")),
+    AxisRule(r".*/self_attention/attention_output/bias", ("embed",)),
+    AxisRule(r".*/intermediate/kernel", ("embed", "mlp")),
+    AxisRule(r".*/intermediate/bias", ("mlp",)),
+    AxisRule(r".*/block_\d+/output/kernel", ("mlp", "embed")),
+    AxisRule(r".*/block_\d+/output/bias", ("embed",)),
+    AxisRule(r".*(layer_norm|final_norm)/(gamma|beta)", ("embed",)),
+)
+
+
+class GPT(tf_keras.Model):
+    """Causal LM: token ids [batch, length] -> logits [batch, length, vocab]."""
+
+    def __init__(self, config: GPTConfig, name: str = "gpt"):
+        super().__init__(name=name)
+        self.config = config
+        def init():  # a fresh initializer per weight, so no two weights share values
+            return tf_keras.initializers.TruncatedNormal(stddev=config.init_stddev)
+
+        self.token_embedding = mg_layers.OnDeviceEmbedding(
+            config.vocab_size,
+            config.embed_dim,
+            initializer=init(),
+            use_one_hot=True,
+            name="token_embedding",
+        )
+        self.position_embedding = mg_layers.PositionEmbedding(
+            max_length=config.seq_len, initializer=init(), name="position_embedding"
+        )
+        self.embedding_dropout = tf_keras.layers.Dropout(config.dropout)
+        self.blocks = [
+            mg_layers.TransformerEncoderBlock(
+                num_attention_heads=config.num_heads,
+                inner_dim=config.mlp_dim,
+                inner_activation=config.activation,
+                norm_first=True,
+                norm_epsilon=config.norm_epsilon,
+                output_dropout=config.dropout,
+                attention_dropout=config.attention_dropout,
+                kernel_initializer=init(),
+                name=f"block_{i}",
+            )
+            for i in range(config.num_layers)
+        ]
+        self.final_norm = tf_keras.layers.LayerNormalization(
+            epsilon=config.norm_epsilon, name="final_norm"
+        )
+
+    def call(self, inputs, training=None):
+        ids = inputs["inputs"] if isinstance(inputs, dict) else inputs
+        x = self.token_embedding(ids)  # [batch, length, embed]
+        x = x + self.position_embedding(x)
+        x = self.embedding_dropout(x, training=training)
+        x = shard(x, ACTIVATION_AXES)
+        mask = causal_mask(ids)  # [batch, length, length]
+        for block in self.blocks:
+            x = block([x, mask], training=training)
+            x = shard(x, ACTIVATION_AXES)
+        x = self.final_norm(x)
+        table = tf.cast(self.token_embedding.embeddings, x.dtype)
+        logits = tf.einsum("ble,ve->blv", x, table)  # [batch, length, vocab]
+        return tf.cast(logits, tf.float32)
+
+
+def causal_mask(ids: tf.Tensor) -> tf.Tensor:
+    """[batch, length, length] with 1 where query position i may attend key j <= i."""
+    length = tf.shape(ids)[1]
+    lower = tf.linalg.band_part(tf.ones([length, length], tf.float32), -1, 0)  # [length, length]
+    return tf.ones_like(ids, tf.float32)[:, :, None] * lower[None, :, :]
+
+
+Config = GPTConfig
+
+
+def build(config: GPTConfig) -> GPT:
+    return GPT(config)
+
+
+def input_signature(config: GPTConfig) -> dict:
+    return {"inputs": tf.TensorSpec([None, config.seq_len], tf.int32, name="inputs")}
+
+
+def batch_signature(config: GPTConfig, batch_size: int) -> dict:
+    """Full training batch: model inputs plus targets and weights (static shapes)."""
+    return {
+        "inputs": tf.TensorSpec([batch_size, config.seq_len], tf.int32),
+        "targets": tf.TensorSpec([batch_size, config.seq_len], tf.int32),
+        "weights": tf.TensorSpec([batch_size, config.seq_len], tf.float32),
+    }
+
+
+def batch_axes() -> dict:
+    """Logical axes of each batch feature (the input feed shards `batch`)."""
+    return {"inputs": ("batch", "length"), "targets": ("batch", "length"), "weights": ("batch", "length")}
+
+
+def synthetic_batch(config: GPTConfig, batch_size: int, rng: np.random.Generator) -> dict:
+    """Random token sequences of the experiment's shapes (train.synthetic_data=True).
+
+    The sequence is a noisy repeating pattern so the loss has something to learn.
+    """
+    period = 7
+    base = rng.integers(0, config.vocab_size, size=(batch_size, period))
+    seq = np.tile(base, (1, (config.seq_len + 1) // period + 1))[:, : config.seq_len + 1]
+    noise = rng.random(seq.shape) < 0.1
+    seq = np.where(noise, rng.integers(0, config.vocab_size, size=seq.shape), seq).astype(np.int32)
+    return {
+        "inputs": seq[:, :-1],
+        "targets": seq[:, 1:],
+        "weights": np.ones((batch_size, config.seq_len), np.float32),
+    }
+
+
+def loss_and_metrics(model: GPT, batch: dict, training: bool):
+    """Mean next-token cross entropy over weighted tokens.
+
+    Written as logsumexp minus the target logit (picked with a one-hot product), so a
+    vocab-sharded logits tensor reduces with all-reduces (Megatron's vocab-parallel
+    cross entropy) instead of being gathered.
+
+    Returns:
+      (loss, {"loss_sum", "weight_sum"}) as float32 scalars.
+    """
+    logits = model(batch["inputs"], training=training)  # [batch, length, vocab]
+    vocab = logits.shape[-1]
+    log_z = tf.reduce_logsumexp(logits, axis=-1)  # [batch, length]
+    target_logit = tf.reduce_sum(logits * tf.one_hot(batch["targets"], vocab, dtype=logits.dtype), axis=-1)
+    token_loss = log_z - target_logit  # [batch, length]
+    weights = batch["weights"]
+    loss_sum = tf.reduce_sum(token_loss * weights)
+    weight_sum = tf.reduce_sum(weights)
+    loss = loss_sum / tf.maximum(weight_sum, 1.0)
+    return loss, {"loss_sum": loss_sum, "weight_sum": weight_sum}
+
+
+def flops_per_token(config: GPTConfig) -> float:
+    """Model FLOPs per trained token (forward + backward), as in the PaLM appendix.
+
+    6 * (non-embedding params + the tied output matmul's vocab x embed) plus the
+    attention score/value matmuls, 12 * layers * length * embed.
+    """
+    e, l, m = config.embed_dim, config.num_layers, config.mlp_dim
+    per_layer = 4 * e * e + 2 * e * m  # q, k, v, out + two MLP matmuls
+    dense = l * per_layer + config.vocab_size * e
+    return 6.0 * dense + 12.0 * l * config.seq_len * e

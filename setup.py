@@ -1,0 +1,29 @@
+"""tfpod: train large models across many accelerators and hosts with TensorFlow DTensor.
+
+`input/` and `models/` install as tfpod.input and tfpod.models, and `gin/` as the data
+folder tfpod/gin, so no generic top-level name lands in site-packages.
+"""
+
+from setuptools import setup
+
+setup(
+    name="tfpod",
+    version="0.1.0",
+    description="Multi-host, multi-accelerator training with TensorFlow DTensor",
+    python_requires=">=3.10,<3.13",
+    packages=["tfpod", "tfpod.input", "tfpod.models", "tfpod.gin"],
+    package_dir={"tfpod": "tfpod", "tfpod.input": "input", "tfpod.models": "models", "tfpod.gin": "gin"},
+    package_data={"tfpod.gin": ["*.gin", "*/*.gin"]},
+    install_requires=[
+        "tensorflow==2.20.*",
+        "tensorflow-text==2.20.*",
+        "tf-keras==2.20.*",
+        "tf-models-official==2.20.0",
+        "absl-py>=1.4",
+        "gin-config>=0.5",
+        "sentencepiece>=0.2",
+        "numpy>=1.26",
+    ],
+    extras_require={"test": ["pytest>=8"]},
+    entry_points={"console_scripts": ["tfpod=tfpod.main:console_main"]},
+)

@@ -1,0 +1,70 @@
+"""Mesh spec parsing (no devices needed) and meshes over the 8 logical test devices."""
+
+import pytest
+
+from tfpod import UserError
+from tfpod.mesh import describe, make_mesh, parse_mesh_spec
+
+
+@pytest.mark.parametrize(
+    "spec,n,expected",
+    [
+        ("data:-1", 8, [("data", 8)]),
+        ("data:-1,model:2", 8, [("data", 4), ("model", 2)]),
+        ("data:2,model:-1", 8, [("data", 2), ("model", 4)]),
+        ("data:1,model:8", 8, [("data", 1), ("model", 8)]),
+        (" data : 4 , model : 2 ", 8, [("data", 4), ("model", 2)]),
+        ("data:2,expert:4", 8, [("data", 2), ("expert", 4)]),
+        ("data:-1,model:2", 16, [("data", 8), ("model", 2)]),
+    ],
+)
+def test_parse_resolves(spec, n, expected):
+    assert parse_mesh_spec(spec, n) == expected
+
+
+@pytest.mark.parametrize(
+    "spec,n,needle",
+    [
+        ("data:4,model:4", 8, "has 16 devices but the job has 8"),
+        ("data:2", 8, "has 2 devices but the job has 8"),
+        ("data:-1,model:-1", 8, "at most one axis may be -1"),
+        ("data:-1,model:3", 8, "does not divide the 8 devices"),
+        ("data", 8, "is not 'name:size'"),
+        ("data:x", 8, "is not an integer"),
+        ("data:0", 8, "sizes are positive"),
+        ("data:-2", 8, "sizes are positive"),
+        ("data:4,data:2", 8, "appears twice"),
+        ("", 8, "is empty"),
+        ("1data:8", 8, "is not 'name:size'"),
+    ],
+)
+def test_parse_errors_are_one_clear_line(spec, n, needle):
+    with pytest.raises(UserError) as e:
+        parse_mesh_spec(spec, n)
+    msg = str(e.value)
+    assert needle in msg
+    assert "\n" not in msg
+
+
+def test_error_names_both_numbers():
+    with pytest.raises(UserError, match=r"has 12 devices but the job has 8"):
+        parse_mesh_spec("data:3,model:4", 8)
+
+
+def test_make_mesh_over_logical_devices():
+    mesh = make_mesh("data:-1,model:2")
+    assert mesh.dim_names == ["data", "model"]
+    assert (mesh.dim_size("data"), mesh.dim_size("model")) == (4, 2)
+    assert mesh.device_type() == "CPU"
+    assert len(mesh.local_devices()) == 8
+
+
+def test_describe_logs_batch_and_tokens():
+    mesh = make_mesh("data:4,model:2")
+    line = describe(mesh, global_batch=16, seq_len=64)
+    assert "data:4,model:2" in line
+    assert "global batch 16" in line
+    assert "per-device batch 4" in line
+    assert "tokens per step 1024" in line
+    with pytest.raises(UserError, match="does not divide over mesh axis 'data' of size 4"):
+        describe(mesh, global_batch=6, seq_len=64)

@@ -1,0 +1,165 @@
+"""The rules engine: each validation error, layouts from rules tables, the layout report."""
+
+import os
+
+import pytest
+from tensorflow.experimental import dtensor
+
+from tfpod import UserError, sharding
+from tfpod.mesh import make_mesh
+from tfpod.models import gpt
+from tfpod.sharding import AxisRule, VarSpec, layout_report, resolve, rules_table
+
+U = dtensor.UNSHARDED
+
+
+@pytest.fixture(scope="module")
+def mesh():
+    return make_mesh("data:4,model:2")
+
+
+TENSOR = rules_table("tensor")
+
+
+def test_layouts_follow_the_table(mesh):
+    specs = [VarSpec("m/q/kernel", (16, 8, 4)), VarSpec("m/out/kernel", (8, 4, 16)), VarSpec("m/ln/gamma", (16,))]
+    rules = [AxisRule(r".*/q/kernel", ("embed", "heads", "kv")), AxisRule(r".*/out/kernel", ("heads", "kv", "embed")),
+             AxisRule(r".*/ln/gamma", ("embed",))]
+    layouts = resolve(specs, rules, TENSOR, mesh)
+    assert layouts["m/q/kernel"].sharding_specs == [U, "model", U]
+    assert layouts["m/out/kernel"].sharding_specs == ["model", U, U]
+    assert layouts["m/ln/gamma"].sharding_specs == [U]
+    data_only = resolve(specs, rules, rules_table("data"), mesh)
+    assert all(s == U for l in data_only.values() for s in l.sharding_specs)
+
+
+def test_mesh_axis_absent_means_replicated():
+    mesh = make_mesh("data:8")
+    layout = sharding.layout_for(("batch", "length", "vocab"), TENSOR, mesh)
+    assert layout.sharding_specs == ["data", U, U]
+
+
+def test_a_mesh_axis_shards_one_dimension_only(mesh):
+    layout = sharding.layout_for(("heads", "mlp"), TENSOR, mesh)
+    assert layout.sharding_specs == ["model", U]
+
+
+def test_user_overrides_replace_preset_entries(mesh):
+    table = rules_table("tensor", {"mlp": None, "embed": "model"})
+    assert table["mlp"] is None and table["embed"] == "model" and table["heads"] == "model"
+
+
+def _one_line(excinfo):
+    msg = str(excinfo.value)
+    assert "\n" not in msg
+    return msg
+
+
+def test_rank_mismatch_names_variable_shape_and_rule(mesh):
+    with pytest.raises(UserError) as e:
+        resolve([VarSpec("m/dense/kernel", (16, 32))], [AxisRule(r".*dense/kernel", ("embed",))], TENSOR, mesh)
+    msg = _one_line(e)
+    assert "m/dense/kernel (16, 32)" in msg and "rank 2" in msg and r".*dense/kernel" in msg
+
+
+def test_not_divisible_names_variable_shape_rule_and_axis(mesh):
+    with pytest.raises(UserError) as e:
+        resolve([VarSpec("m/mlp/kernel", (16, 33))], [AxisRule(r".*mlp/kernel", ("embed", "mlp"))], TENSOR, mesh)
+    msg = _one_line(e)
+    assert "m/mlp/kernel (16, 33)" in msg and "size 33" in msg and "'model' of size 2" in msg and ".*mlp/kernel" in msg
+
+
+def test_variable_matched_by_two_rules(mesh):
+    rules = [AxisRule(r".*/kernel", ("embed", "mlp")), AxisRule(r".*/mlp/.*", ("embed", "mlp"))]
+    with pytest.raises(UserError) as e:
+        resolve([VarSpec("m/mlp/kernel", (16, 32))], rules, TENSOR, mesh)
+    msg = _one_line(e)
+    assert "m/mlp/kernel (16, 32)" in msg and "two sharding rules" in msg and ".*/kernel" in msg and ".*/mlp/.*" in msg
+
+
+def test_variable_matched_by_no_rule(mesh):
+    with pytest.raises(UserError) as e:
+        resolve([VarSpec("m/other/kernel", (4, 4))], [], TENSOR, mesh)
+    assert "m/other/kernel (4, 4) matches no sharding rule" in _one_line(e)
+
+
+def test_rule_that_matches_nothing(mesh):
+    rules = [AxisRule(r".*/kernel", ("embed", "mlp")), AxisRule(r".*/typo_kernel", ("embed", "mlp"))]
+    with pytest.raises(UserError) as e:
+        resolve([VarSpec("m/mlp/kernel", (16, 32))], rules, TENSOR, mesh)
+    assert ".*/typo_kernel" in _one_line(e) and "matches no variable" in str(e.value)
+
+
+def test_duplicate_variable_names(mesh):
+    with pytest.raises(UserError, match="two variables are named 'm/k'"):
+        resolve([VarSpec("m/k", (4,)), VarSpec("m/k", (4,))], [AxisRule("m/k", ("embed",))], TENSOR, mesh)
+
+
+def test_bad_rules_and_presets():
+    with pytest.raises(UserError, match="unknown logical axis 'hidden'"):
+        AxisRule(r".*", ("hidden",))
+    with pytest.raises(UserError, match="not a valid regex"):
+        AxisRule(r"(", ("embed",))
+    with pytest.raises(UserError, match="sharding.preset='megatron' is not a preset"):
+        rules_table("megatron")
+    with pytest.raises(UserError, match="unknown logical axis 'hidden'"):
+        rules_table("tensor", {"hidden": "model"})
+
+
+def test_validation_happens_before_allocation(mesh, monkeypatch):
+    """A bad rule is reported from the lazy build, before any DVariable is created."""
+    from tf_keras.src.dtensor import layout_map
+
+    created = []
+    real = layout_map._create_dvariable
+
+    def spy(layout_map_, object_path, variable):
+        created.append(object_path)
+        return real(layout_map_, object_path, variable)
+
+    monkeypatch.setattr(layout_map, "_create_dvariable", spy)
+
+    def build(mlp_dim):
+        cfg = gpt.GPTConfig(vocab_size=64, seq_len=8, num_layers=1, embed_dim=16, num_heads=4, mlp_dim=mlp_dim)
+        return sharding.build_sharded(lambda: gpt.build(cfg), gpt.input_signature(cfg), mesh, gpt.AXIS_RULES, TENSOR)
+
+    with pytest.raises(UserError, match="gpt/block_0/intermediate/kernel \\(16, 33\\)"):
+        build(33)
+    assert created == []
+    build(32)  # the same model with a divisible size allocates through the spied path
+    assert created
+
+
+def test_layout_report_lists_bytes_per_device_and_totals(mesh):
+    specs = [VarSpec("m/emb", (64, 16)), VarSpec("m/ln", (16,))]
+    rules = [AxisRule("m/emb", ("vocab", "embed")), AxisRule("m/ln", ("embed",))]
+    report = layout_report(specs, resolve(specs, rules, TENSOR, mesh))
+    lines = report.splitlines()
+    assert lines[0] == "# variables on mesh data:4,model:2"
+    assert lines[1].split() == ["variable", "global", "shape", "layout", "bytes/device"]
+    emb = next(l for l in lines if l.startswith("m/emb"))
+    assert "(64, 16)" in emb and "[model, unsharded]" in emb and "2.00 KiB" in emb  # 32*16*4 bytes
+    assert lines[-1] == "# total: 2 variables, 1,040 parameters, 4.06 KiB; per device: 2.06 KiB"
+
+
+GOLDEN = os.path.join(os.path.dirname(__file__), "golden")
+
+
+@pytest.mark.parametrize("preset", ["data", "tensor"])
+def test_golden_layout_of_gpt_tiny(mesh, preset):
+    """The layout of gpt_tiny per preset; a layout change shows as a diff of the golden file.
+
+    Regenerate with TFPOD_UPDATE_GOLDEN=1 after a deliberate change.
+    """
+    cfg = gpt.GPTConfig(vocab_size=2048, seq_len=64, num_layers=2, embed_dim=128, num_heads=8, mlp_dim=512)
+    _, specs, layouts = sharding.build_sharded(
+        lambda: gpt.build(cfg), gpt.input_signature(cfg), mesh, gpt.AXIS_RULES, rules_table(preset)
+    )
+    report = layout_report(specs, layouts, title="gpt variables")
+    path = os.path.join(GOLDEN, f"layouts_gpt_tiny_{preset}_data4_model2.txt")
+    if os.environ.get("TFPOD_UPDATE_GOLDEN"):
+        os.makedirs(GOLDEN, exist_ok=True)
+        with open(path, "w") as f:
+            f.write(report)
+    with open(path) as f:
+        assert report == f.read()

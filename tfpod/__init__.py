@@ -1,0 +1,30 @@
+"""tfpod: train large models across many accelerators and hosts with TensorFlow DTensor.
+
+Importing tfpod selects Keras 2 (tf_keras): Keras 3 has no DTensor support on
+TensorFlow, and tf-models-official is built on tf_keras. The variable must be set
+before TensorFlow is first imported.
+"""
+
+import os as _os
+
+_os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")
+_os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # C++ INFO/WARNING/grappler noise
+
+# Installed, `input/` and `models/` are the subpackages tfpod.input and tfpod.models
+# (setup.py package_dir). In a source checkout they sit beside tfpod/, so the
+# checkout root joins this package's search path and the same imports work there.
+_root = _os.path.dirname(_os.path.dirname(_os.path.abspath(__file__)))
+if not _os.path.isdir(_os.path.join(__path__[0], "models")) and _os.path.isfile(
+    _os.path.join(_root, "models", "__init__.py")
+):
+    __path__.append(_root)
+
+__version__ = "0.1.0"
+
+
+class UserError(Exception):
+    """Bad input or configuration: the message says what, where, and how to fix it.
+
+    main.py prints the message as one line and exits non-zero (tracebacks only at
+    debug verbosity).
+    """

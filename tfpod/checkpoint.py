@@ -1,0 +1,59 @@
+"""Checkpoints of the sharded training state.
+
+One `tf.train.Checkpoint` holds the model and optimizer DVariables (the optimizer's
+step counter is the global step). Every host takes part in the sharded write and read.
+`CheckpointManager` resumes from the newest checkpoint in `model_dir`, saves every
+`checkpoint_every` steps and at the end, and keeps the last `keep` checkpoints.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import tensorflow as tf
+
+from tfpod import UserError
+
+log = logging.getLogger("tfpod")
+
+
+class CheckpointManager:
+    """Saves and restores {name: trackable} under model_dir/checkpoints."""
+
+    def __init__(self, model_dir: str, step: tf.Variable, keep: int = 3, **trackables):
+        if keep < 1:
+            raise UserError(f"train.keep_checkpoints={keep} must be at least 1")
+        self.directory = os.path.join(model_dir, "checkpoints")
+        self._step = step
+        self._ckpt = tf.train.Checkpoint(**trackables)
+        self._manager = tf.train.CheckpointManager(self._ckpt, self.directory, max_to_keep=keep, step_counter=step)
+
+    @property
+    def latest(self) -> str | None:
+        return self._manager.latest_checkpoint
+
+    def restore_latest(self) -> int | None:
+        """Restores the newest checkpoint if there is one; returns its step or None."""
+        path = self._manager.latest_checkpoint
+        if not path:
+            return None
+        try:
+            self._ckpt.restore(path).assert_existing_objects_matched()
+        except (AssertionError, ValueError, tf.errors.OpError) as e:
+            raise UserError(
+                f"checkpoint {path} does not fit this model ({str(e).splitlines()[0]}): "
+                "use the gin config it was trained with, or a new --model_dir"
+            ) from None
+        step = int(self._step.numpy())
+        log.info("resumed from %s at step %d", path, step)
+        return step
+
+    def save(self) -> str:
+        step = int(self._step.numpy())
+        path = self._manager.save(checkpoint_number=step)
+        log.info("saved checkpoint %s", path)
+        return path
+
+    def has(self, step: int) -> bool:
+        return any(p.endswith(f"-{step}") for p in self._manager.checkpoints)

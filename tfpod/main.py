@@ -1,0 +1,191 @@
+"""The command line: absl flags -> gin -> run. The only module that knows gin.
+
+    python main.py --gin_file=gin/lm_tiny.gin --model_dir=/tmp/run \
+        [--gin_param=train.steps=200 ...] [--mode=train] [--mesh=data:4,model:2] [--cpu_devices=8]
+
+Library classes become gin configurables here: `train.*` (TrainConfig),
+`optimizer.*` (OptimizerConfig), `sharding.*` (ShardingConfig), `experiment.*`, and each
+model's config under its name (`gpt.*`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import sys
+
+import tfpod  # noqa: F401  (selects tf_keras before TensorFlow loads)
+import gin
+from absl import app, flags
+
+from tfpod import UserError
+
+FLAGS = flags.FLAGS
+MODES = ("train", "eval", "train_and_eval", "export")
+_LATER = {
+    "eval": "distributed on-device evaluation (issue #5)",
+    "train_and_eval": "train-and-eval in one job (issue #5)",
+    "export": "SavedModel export for TF Serving (issue #8)",
+}
+
+flags.DEFINE_multi_string("gin_file", [], "gin config file(s), applied in order (gin/ is searched too)")
+flags.DEFINE_multi_string("gin_param", [], "gin binding(s), e.g. train.steps=200; applied after the files")
+flags.DEFINE_string("model_dir", None, "output directory: checkpoints, config.gin, layouts.txt, metrics.jsonl, events")
+flags.DEFINE_enum("mode", "train", MODES, "what to do")
+flags.DEFINE_string("mesh", None, "mesh spec, e.g. data:-1,model:2 (default: experiment.mesh)")
+flags.DEFINE_integer("cpu_devices", None, "split the host CPU into this many logical devices")
+flags.DEFINE_string("device_type", None, "TPU, GPU or CPU (default: auto-detect, in that order)")
+
+
+@dataclasses.dataclass
+class ExperimentConfig:
+    """Which model and mesh. Attributes map 1:1 to gin `experiment.<name>`."""
+
+    model: str = "gpt"
+    mesh: str = "data:-1"
+
+
+_CONFIGURABLES = {}
+
+
+def _register():
+    """Registers the library's config classes with gin (once per process)."""
+    if _CONFIGURABLES:
+        return _CONFIGURABLES
+    from tfpod import optimizers, sharding, trainer
+    from tfpod.models import TASKS
+
+    _CONFIGURABLES["experiment"] = gin.external_configurable(ExperimentConfig, name="experiment")
+    _CONFIGURABLES["train"] = gin.external_configurable(trainer.TrainConfig, name="train")
+    _CONFIGURABLES["optimizer"] = gin.external_configurable(optimizers.OptimizerConfig, name="optimizer")
+    _CONFIGURABLES["sharding"] = gin.external_configurable(sharding.ShardingConfig, name="sharding")
+    for name, task in TASKS.items():
+        _CONFIGURABLES[name] = gin.external_configurable(task.Config, name=name)
+    return _CONFIGURABLES
+
+
+def gin_search_dirs() -> list[str]:
+    """Folders holding tfpod's gin files: <checkout>/gin from a clone, tfpod/gin installed."""
+    return [d for d in (os.path.join(p, "gin") for p in tfpod.__path__) if os.path.isdir(d)]
+
+
+def resolve_gin_file(path: str) -> str:
+    """The gin file a --gin_file names: as given, else under tfpod's gin folders."""
+    if os.path.isfile(path):
+        return path
+    rel = path[len("gin/"):] if path.startswith("gin/") else path
+    for d in gin_search_dirs():
+        candidate = os.path.join(d, rel)
+        if os.path.isfile(candidate):
+            return candidate
+    known = sorted(
+        os.path.relpath(os.path.join(r, f), d)
+        for d in gin_search_dirs() for r, _, fs in os.walk(d) for f in fs if f.endswith(".gin")
+    )
+    raise UserError(f"--gin_file={path}: no such file (here or in tfpod's gin/: {', '.join(known)})")
+
+
+def parse_config(gin_files: list[str], gin_params: list[str]) -> None:
+    """Clears gin and applies files then bindings; any gin error becomes one UserError line."""
+    gin.clear_config()
+    _register()
+    for d in gin_search_dirs():
+        gin.add_config_file_search_path(d)
+        gin.add_config_file_search_path(os.path.dirname(d))
+    files = [resolve_gin_file(f) for f in gin_files]
+    try:
+        gin.parse_config_files_and_bindings(files, gin_params, finalize_config=False)
+    except Exception as e:  # gin raises ValueError, KeyError, ImportError, SyntaxError...
+        raise UserError(f"gin config: {_one_line(e)} (files: {', '.join(files) or 'none'}; params: {gin_params})") from None
+
+
+def _one_line(e: BaseException) -> str:
+    text = " ".join(str(e).split())
+    return text if len(text) < 400 else text[:400] + "..."
+
+
+def _build_config(name: str):
+    try:
+        return _CONFIGURABLES[name]()
+    except UserError:
+        raise
+    except (TypeError, ValueError) as e:
+        raise UserError(f"gin config for {name}.*: {_one_line(e)}") from None
+
+
+def setup_logging(verbose: bool = False) -> None:
+    """tfpod's progress lines on stderr; other libraries' INFO chatter only when verbose."""
+    from absl import logging as absl_logging
+
+    if not verbose:
+        absl_logging.set_verbosity(absl_logging.WARNING)
+        logging.getLogger("tensorflow").setLevel(logging.WARNING)
+    logger = logging.getLogger("tfpod")
+    if not logger.handlers:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("%(asctime)s %(message)s", "%H:%M:%S"))
+        logger.addHandler(handler)
+        logger.propagate = False
+    logger.setLevel(logging.DEBUG if verbose else logging.INFO)
+
+
+def run(
+    gin_files: list[str],
+    gin_params: list[str],
+    model_dir: str,
+    mode: str = "train",
+    mesh_spec: str | None = None,
+    cpu_devices: int | None = None,
+    device_type: str | None = None,
+) -> dict:
+    """Parses the config, starts the runtime and runs `mode`. Returns the mode's result."""
+    if not model_dir:
+        raise UserError("--model_dir is required: the folder for checkpoints, config.gin and metrics")
+    if mode in _LATER:
+        raise UserError(f"--mode={mode} is not available yet: {_LATER[mode]} is still to be built; use --mode=train")
+    parse_config(gin_files, gin_params)
+    experiment = _build_config("experiment")
+    from tfpod.models import get_task
+
+    task = get_task(experiment.model)
+    model_config = _build_config(task.NAME)
+    train_config = _build_config("train")
+    opt_config = _build_config("optimizer")
+    sharding_config = _build_config("sharding")
+    table = sharding_config.table(task.DEFAULT_PRESET)
+
+    from tfpod import mesh as meshlib, runtime, trainer
+
+    info = runtime.initialize(cpu_devices=cpu_devices, device_type=device_type)
+    mesh = meshlib.make_mesh(mesh_spec or experiment.mesh)
+    if not train_config.synthetic_data:
+        raise UserError(
+            "train.synthetic_data=False needs the real corpus pipeline, which is still to be built (issue #3): "
+            "set train.synthetic_data=True"
+        )
+    os.makedirs(model_dir, exist_ok=True)
+    t = trainer.Trainer(task, model_config, train_config, opt_config, mesh, table, model_dir)
+    if info.client_id == 0:
+        with open(os.path.join(model_dir, "config.gin"), "w") as f:
+            f.write(gin.operative_config_str())
+    return t.train()
+
+
+def main(argv) -> None:
+    if len(argv) > 1:
+        print(f"error: unexpected arguments {argv[1:]}: pass settings as --flags or --gin_param", file=sys.stderr)
+        sys.exit(2)
+    setup_logging(verbose=FLAGS.verbosity >= 1)
+    try:
+        run(FLAGS.gin_file, FLAGS.gin_param, FLAGS.model_dir, FLAGS.mode, FLAGS.mesh, FLAGS.cpu_devices, FLAGS.device_type)
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        if FLAGS.verbosity >= 1:
+            raise
+        sys.exit(1)
+
+
+def console_main() -> None:
+    """Entry point of the `tfpod` console script."""
+    app.run(main)

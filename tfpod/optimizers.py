@@ -1,0 +1,184 @@
+"""Optimizers and learning-rate schedules from tf-models-official, on DTensor.
+
+Model Garden's optimizers (AdamWeightDecay, LAMB, LARS) create their slots with plain
+`tf.Variable`s. Here each slot is created inside a variable creator that makes it a
+DVariable laid out like the weight it belongs to (or, for weight-update sharding, in
+any layout a caller chooses), so the update runs shard-locally on every device.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from typing import Callable, Sequence
+
+import tensorflow as tf
+import tf_keras
+from tensorflow.experimental import dtensor
+from official.modeling.optimization import lamb, lars, legacy_adamw, lr_schedule
+
+from tfpod import UserError
+
+OPTIMIZERS = ("adamw", "lamb", "lars", "sgd")
+DECAYS = ("cosine", "linear", "polynomial", "constant")
+
+
+@dataclasses.dataclass
+class OptimizerConfig:
+    """Optimizer and schedule. Attributes map 1:1 to gin `optimizer.<name>`.
+
+    Attributes:
+      name: adamw (Model Garden AdamWeightDecay), lamb, lars, or sgd (momentum).
+      learning_rate: peak learning rate, reached at the end of warmup.
+      warmup_steps: linear warmup from 0 (Model Garden LinearWarmup).
+      decay: schedule after warmup: cosine, linear, polynomial, or constant.
+      decay_steps: steps of the decay (None: the run's train.steps).
+      end_learning_rate_ratio: final learning rate as a fraction of the peak.
+      power: exponent of the polynomial decay.
+      weight_decay: decoupled weight decay (adamw, lamb, lars).
+      beta_1, beta_2, epsilon: Adam/LAMB moments.
+      momentum: lars/sgd momentum.
+      exclude_from_weight_decay: variable-name substrings with no weight decay.
+      clip_norm: global gradient-norm clipping (0 or None: off).
+    """
+
+    name: str = "adamw"
+    learning_rate: float = 1e-3
+    warmup_steps: int = 0
+    decay: str = "cosine"
+    decay_steps: int | None = None
+    end_learning_rate_ratio: float = 0.1
+    power: float = 1.0
+    weight_decay: float = 0.01
+    beta_1: float = 0.9
+    beta_2: float = 0.95
+    epsilon: float = 1e-8
+    momentum: float = 0.9
+    exclude_from_weight_decay: Sequence[str] = ("layer_norm", "final_norm", "bias", "embeddings")
+    clip_norm: float | None = 1.0
+
+    def __post_init__(self):
+        if self.name not in OPTIMIZERS:
+            raise UserError(f"optimizer.name={self.name!r} is not known: use one of {', '.join(OPTIMIZERS)}")
+        if self.decay not in DECAYS:
+            raise UserError(f"optimizer.decay={self.decay!r} is not known: use one of {', '.join(DECAYS)}")
+        if self.learning_rate <= 0:
+            raise UserError(f"optimizer.learning_rate={self.learning_rate} must be positive")
+        if self.warmup_steps < 0:
+            raise UserError(f"optimizer.warmup_steps={self.warmup_steps} must be >= 0")
+
+
+def learning_rate_schedule(cfg: OptimizerConfig, total_steps: int):
+    """Warmup then decay, from Model Garden's lr_schedule (a Keras LearningRateSchedule)."""
+    decay_steps = max(1, (cfg.decay_steps or total_steps) - cfg.warmup_steps)
+    end = cfg.learning_rate * cfg.end_learning_rate_ratio
+    if cfg.decay == "cosine":
+        schedule = lr_schedule.CosineDecayWithOffset(
+            initial_learning_rate=cfg.learning_rate,
+            decay_steps=decay_steps,
+            alpha=cfg.end_learning_rate_ratio,
+            offset=cfg.warmup_steps,
+        )
+    elif cfg.decay in ("linear", "polynomial"):
+        schedule = lr_schedule.PolynomialDecayWithOffset(
+            initial_learning_rate=cfg.learning_rate,
+            decay_steps=decay_steps,
+            end_learning_rate=end,
+            power=1.0 if cfg.decay == "linear" else cfg.power,
+            offset=cfg.warmup_steps,
+        )
+    else:
+        schedule = cfg.learning_rate
+    if cfg.warmup_steps:
+        schedule = lr_schedule.LinearWarmup(
+            after_warmup_lr_sched=schedule, warmup_steps=cfg.warmup_steps, warmup_learning_rate=0.0
+        )
+    return schedule
+
+
+def build_optimizer(cfg: OptimizerConfig, total_steps: int):
+    """A Model Garden (legacy tf_keras) optimizer with its schedule."""
+    lr = learning_rate_schedule(cfg, total_steps)
+    exclude = list(cfg.exclude_from_weight_decay)
+    if cfg.name == "adamw":
+        return legacy_adamw.AdamWeightDecay(
+            learning_rate=lr,
+            weight_decay_rate=cfg.weight_decay,
+            beta_1=cfg.beta_1,
+            beta_2=cfg.beta_2,
+            epsilon=cfg.epsilon,
+            exclude_from_weight_decay=exclude,
+        )
+    if cfg.name == "lamb":
+        return lamb.LAMB(
+            learning_rate=lr,
+            beta_1=cfg.beta_1,
+            beta_2=cfg.beta_2,
+            epsilon=cfg.epsilon,
+            weight_decay_rate=cfg.weight_decay,
+            exclude_from_weight_decay=exclude,
+            exclude_from_layer_adaptation=exclude,
+        )
+    if cfg.name == "lars":
+        return lars.LARS(
+            learning_rate=lr,
+            momentum=cfg.momentum,
+            weight_decay_rate=cfg.weight_decay,
+            exclude_from_weight_decay=exclude,
+            exclude_from_layer_adaptation=exclude,
+        )
+    return tf_keras.optimizers.legacy.SGD(learning_rate=lr, momentum=cfg.momentum)
+
+
+def _to_mesh(value: tf.Tensor, layout: dtensor.Layout) -> tf.Tensor:
+    """A host tensor as a DTensor of `layout` (computed replicated, then relaid out)."""
+    replicated = dtensor.copy_to_mesh(value, dtensor.Layout.replicated(layout.mesh, value.shape.rank))
+    return dtensor.relayout(replicated, layout)
+
+
+@contextlib.contextmanager
+def dvariable_scope(layout_fn: Callable[[tf.TensorShape], dtensor.Layout]):
+    """Every variable created inside becomes a DVariable with layout_fn(shape)."""
+
+    def creator(next_creator, **kwargs):
+        del next_creator
+        init = kwargs.pop("initial_value")
+        if callable(init):
+            init = init()
+        init = tf.convert_to_tensor(init, dtype=kwargs.get("dtype"))
+        return dtensor.DVariable(
+            _to_mesh(init, layout_fn(init.shape)),
+            trainable=kwargs.get("trainable", False),
+            name=kwargs.get("name"),
+        )
+
+    with tf.variable_creator_scope(creator):
+        yield
+
+
+def create_state(
+    optimizer,
+    variables: Sequence[tf.Variable],
+    mesh: dtensor.Mesh,
+    slot_layout: Callable[[tf.Variable], dtensor.Layout] | None = None,
+) -> None:
+    """Creates the optimizer's step counter, hyperparameters and slots as DVariables.
+
+    Args:
+      optimizer: a legacy tf_keras optimizer (Model Garden's are).
+      variables: the trainable DVariables.
+      mesh: the mesh; scalars and hyperparameters are replicated on it.
+      slot_layout: layout of a variable's slots (default: the variable's own layout).
+    """
+    slot_layout = slot_layout or (lambda v: dtensor.fetch_layout(v))
+    with dvariable_scope(lambda shape: dtensor.Layout.replicated(mesh, shape.rank)):
+        optimizer._create_all_weights([])  # iterations and hyperparameters
+    for v in variables:
+        layout = slot_layout(v)
+        with dvariable_scope(lambda shape, layout=layout: layout), tf.init_scope():
+            optimizer._create_slots([v])
+
+
+def slot_variables(optimizer) -> list[tf.Variable]:
+    """All slot variables of a legacy optimizer, in creation order."""
+    return [s for slots in optimizer._slots.values() for s in slots.values()]

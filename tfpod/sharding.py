@@ -1,0 +1,396 @@
+"""Partitioning, owned in one place: logical axes, rules tables as data, validation, layouts.
+
+Models name the dimensions of their variables with *logical axes* (`batch`, `length`,
+`embed`, `heads`, `kv`, `mlp`, `vocab`, `expert`). Variable-path rules (regex over the
+variable name, e.g. `gpt/block_\\d+/self_attention/query/kernel`) give logical axes to
+variables of layers we do not write (tf-models-official). One *rules table* maps each
+logical axis to a mesh axis (or to nothing: replicated). Presets are rules tables:
+
+    data     every weight replicated, the batch split over `data`
+    tensor   Megatron-LM: heads and mlp hidden over `model` (column-parallel into a
+             block, row-parallel out of it), vocab-parallel embedding and output layer
+
+A rules table names mesh axes, not sizes: on a mesh without a `model` axis the
+`tensor` preset's model-parallel dimensions are simply replicated, so one table serves
+every mesh. Within one tensor a mesh axis shards at most one dimension (the first).
+
+Everything is validated before a variable is allocated: a rank mismatch, a dimension
+not divisible by its mesh axis, a variable matched by two rules, a variable matched by
+none, and a rule that matches nothing each raise one UserError naming the variable, its
+shape and the rule.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+import re
+import threading
+from typing import Iterable, Mapping, Sequence
+
+import tensorflow as tf
+from tensorflow.experimental import dtensor
+
+from tfpod import UserError
+
+LOGICAL_AXES = ("batch", "length", "embed", "heads", "kv", "mlp", "vocab", "expert")
+
+AxisNames = tuple  # tuple[str | None, ...]: one logical axis (or None) per dimension
+
+PRESETS: dict[str, dict[str, str | None]] = {
+    "data": {"batch": "data"},
+    "tensor": {"batch": "data", "heads": "model", "mlp": "model", "vocab": "model", "expert": "expert"},
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class AxisRule:
+    """Variables whose name matches `pattern` (re.fullmatch) have these logical axes."""
+
+    pattern: str
+    axes: AxisNames
+
+    def __post_init__(self):
+        try:
+            re.compile(self.pattern)
+        except re.error as e:
+            raise UserError(f"sharding rule {self.pattern!r}: not a valid regex ({e})") from None
+        for a in self.axes:
+            if a is not None and a not in LOGICAL_AXES:
+                raise UserError(
+                    f"sharding rule {self.pattern!r}: unknown logical axis {a!r}; "
+                    f"use one of {', '.join(LOGICAL_AXES)} or None"
+                )
+
+    def matches(self, name: str) -> bool:
+        return re.fullmatch(self.pattern, name) is not None
+
+
+@dataclasses.dataclass(frozen=True)
+class VarSpec:
+    """A variable before allocation: its name (no ':0'), global shape and dtype."""
+
+    name: str
+    shape: tuple
+    dtype: tf.DType = tf.float32
+
+
+def rules_table(preset: str, overrides: Mapping[str, str | None] | None = None) -> dict[str, str | None]:
+    """The logical->mesh axis table of a preset, with user overrides applied.
+
+    Args:
+      preset: a key of PRESETS.
+      overrides: {logical_axis: mesh_axis or None} replacing the preset's entries.
+
+    Raises:
+      UserError: unknown preset or unknown logical axis.
+    """
+    if preset not in PRESETS:
+        raise UserError(
+            f"sharding.preset={preset!r} is not a preset: use one of {', '.join(sorted(PRESETS))}"
+        )
+    table = {a: None for a in LOGICAL_AXES}
+    table.update(PRESETS[preset])
+    for logical, mesh_axis in (overrides or {}).items():
+        if logical not in LOGICAL_AXES:
+            raise UserError(
+                f"sharding.rules: unknown logical axis {logical!r}; use one of {', '.join(LOGICAL_AXES)}"
+            )
+        table[logical] = mesh_axis
+    return table
+
+
+def layout_for(axes: Sequence[str | None], table: Mapping[str, str | None], mesh: dtensor.Mesh) -> dtensor.Layout:
+    """The DTensor layout of a tensor whose dimensions have these logical axes.
+
+    A logical axis mapped to a mesh axis the mesh lacks is replicated; a mesh axis
+    already used by an earlier dimension of the same tensor is not used again.
+    """
+    used = set()
+    specs = []
+    for a in axes:
+        mesh_axis = table.get(a) if a is not None else None
+        if mesh_axis is not None and mesh_axis in mesh.dim_names and mesh_axis not in used:
+            used.add(mesh_axis)
+            specs.append(mesh_axis)
+        else:
+            specs.append(dtensor.UNSHARDED)
+    return dtensor.Layout(specs, mesh)
+
+
+def _shape_text(shape) -> str:
+    return "(" + ", ".join(str(d) for d in shape) + ")"
+
+
+def resolve(
+    specs: Iterable[VarSpec],
+    axis_rules: Sequence[AxisRule],
+    table: Mapping[str, str | None],
+    mesh: dtensor.Mesh,
+) -> dict[str, dtensor.Layout]:
+    """Validates every variable against the rules and returns its layout.
+
+    Args:
+      specs: the model's variables (name, global shape).
+      axis_rules: variable-path rules giving logical axes.
+      table: logical axis -> mesh axis (see rules_table).
+      mesh: the mesh the layouts live on.
+
+    Returns:
+      {variable name: Layout}.
+
+    Raises:
+      UserError: two variables with one name, a variable matched by two rules or by
+        none, a rule that matches nothing, a rank mismatch, or a dimension not divisible
+        by the size of its mesh axis.
+    """
+    specs = list(specs)
+    seen = set()
+    for s in specs:
+        if s.name in seen:
+            raise UserError(
+                f"two variables are named {s.name!r}: give the layers distinct names so rules can tell them apart"
+            )
+        seen.add(s.name)
+    used_rules = set()
+    layouts = {}
+    for s in specs:
+        hits = [r for r in axis_rules if r.matches(s.name)]
+        if len(hits) > 1:
+            raise UserError(
+                f"variable {s.name} {_shape_text(s.shape)} is matched by two sharding rules, "
+                f"{hits[0].pattern!r} and {hits[1].pattern!r}: narrow one so each variable has one rule"
+            )
+        if not hits:
+            raise UserError(
+                f"variable {s.name} {_shape_text(s.shape)} matches no sharding rule: add a rule "
+                f"(regex, logical axes) for it, e.g. ({re.escape(s.name)!r}, {(None,) * len(s.shape)!r})"
+            )
+        rule = hits[0]
+        used_rules.add(rule)
+        if len(rule.axes) != len(s.shape):
+            raise UserError(
+                f"variable {s.name} {_shape_text(s.shape)} has rank {len(s.shape)} but rule "
+                f"{rule.pattern!r} gives {len(rule.axes)} logical axes {rule.axes}: give one axis per dimension"
+            )
+        layout = layout_for(rule.axes, table, mesh)
+        for dim, (size, mesh_axis) in enumerate(zip(s.shape, layout.sharding_specs)):
+            if mesh_axis != dtensor.UNSHARDED and size % mesh.dim_size(mesh_axis):
+                raise UserError(
+                    f"variable {s.name} {_shape_text(s.shape)}: dimension {dim} ({rule.axes[dim]}, size {size}) "
+                    f"does not divide over mesh axis {mesh_axis!r} of size {mesh.dim_size(mesh_axis)} "
+                    f"(rule {rule.pattern!r}): change the model size, the mesh, or map "
+                    f"{rule.axes[dim]!r} to no mesh axis in sharding.rules"
+                )
+        layouts[s.name] = layout
+    unused = [r for r in axis_rules if r not in used_rules]
+    if unused:
+        raise UserError(
+            f"sharding rule {unused[0].pattern!r} {unused[0].axes} matches no variable: fix its "
+            "regex (it must match a whole variable name, see layouts.txt) or remove it"
+        )
+    return layouts
+
+
+# ---------------------------------------------------------------------------
+# Layout report
+
+
+def bytes_per_device(shape: Sequence[int], dtype: tf.DType, layout: dtensor.Layout) -> int:
+    """Bytes one device holds of a tensor with this global shape and layout."""
+    local = [
+        d if spec == dtensor.UNSHARDED else d // layout.mesh.dim_size(spec)
+        for d, spec in zip(shape, layout.sharding_specs)
+    ]
+    return math.prod(local) * tf.as_dtype(dtype).size
+
+
+def _human(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+def layout_report(
+    specs: Iterable[VarSpec],
+    layouts: Mapping[str, dtensor.Layout],
+    title: str = "variables",
+) -> str:
+    """A table: variable, global shape, layout, bytes per device; then totals."""
+    specs = list(specs)
+    rows = []
+    total_params = total_bytes = device_bytes = 0
+    for s in specs:
+        layout = layouts[s.name]
+        per_dev = bytes_per_device(s.shape, s.dtype, layout)
+        n = math.prod(s.shape)
+        total_params += n
+        total_bytes += n * s.dtype.size
+        device_bytes += per_dev
+        rows.append((s.name, _shape_text(s.shape), "[" + ", ".join(layout.sharding_specs) + "]", _human(per_dev)))
+    header = ("variable", "global shape", "layout", "bytes/device")
+    widths = [max(len(r[i]) for r in rows + [header]) for i in range(4)]
+    mesh = next(iter(layouts.values())).mesh if layouts else None
+    lines = [
+        f"# {title}"
+        + (f" on mesh {','.join(f'{n}:{mesh.dim_size(n)}' for n in mesh.dim_names)}" if mesh else ""),
+        "  ".join(h.ljust(w) for h, w in zip(header, widths)),
+    ]
+    lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths)) for r in rows]
+    lines.append(
+        f"# total: {len(specs)} variables, {total_params:,} parameters, {_human(total_bytes)}; "
+        f"per device: {_human(device_bytes)}"
+    )
+    return "\n".join(lines) + "\n"
+
+
+# ---------------------------------------------------------------------------
+# Activation annotations (GShard's split / replicate, inside the compiled step)
+
+_ACTIVE = threading.local()
+
+
+@contextlib.contextmanager
+def activation_sharding(mesh: dtensor.Mesh, table: Mapping[str, str | None]):
+    """Within this context `shard`/`split`/`replicate` relayout activations on `mesh`.
+
+    Outside it (single-device export, plain Keras) they return their input unchanged.
+    """
+    prev = getattr(_ACTIVE, "value", None)
+    _ACTIVE.value = (mesh, dict(table))
+    try:
+        yield
+    finally:
+        _ACTIVE.value = prev
+
+
+def _active():
+    return getattr(_ACTIVE, "value", None)
+
+
+def shard(x: tf.Tensor, axes: Sequence[str | None]) -> tf.Tensor:
+    """Annotates an activation with logical axes, one per dimension (GShard `shard`)."""
+    active = _active()
+    if active is None:
+        return x
+    mesh, table = active
+    if len(axes) != x.shape.rank:
+        raise ValueError(f"shard: tensor of shape {x.shape} got {len(axes)} logical axes {tuple(axes)}")
+    return dtensor.relayout(x, layout_for(axes, table, mesh))
+
+
+def split(x: tf.Tensor, dim: int, mesh_axis: str) -> tf.Tensor:
+    """Splits one dimension of an activation over a mesh axis, others replicated (GShard `split`)."""
+    active = _active()
+    if active is None:
+        return x
+    mesh, _ = active
+    specs = [dtensor.UNSHARDED] * x.shape.rank
+    if mesh_axis in mesh.dim_names:
+        specs[dim] = mesh_axis
+    return dtensor.relayout(x, dtensor.Layout(specs, mesh))
+
+
+def replicate(x: tf.Tensor) -> tf.Tensor:
+    """Replicates an activation on every device (GShard `replicate`)."""
+    active = _active()
+    if active is None:
+        return x
+    mesh, _ = active
+    return dtensor.relayout(x, dtensor.Layout.replicated(mesh, x.shape.rank))
+
+
+# ---------------------------------------------------------------------------
+# Materializing a Keras model as sharded DVariables
+
+
+def _lazy_variables(model):
+    """[(object_path, LazyInitVariable)] of a lazily built tf_keras model (each path)."""
+    from tf_keras.src.dtensor import lazy_variable
+
+    return [
+        (".".join(str(p) for p in path), v)
+        for path, v in model._flatten(
+            predicate=lambda o: isinstance(o, lazy_variable.LazyInitVariable), with_path=True
+        )
+    ]
+
+
+def _var_name(v) -> str:
+    return v.name[:-2] if v.name.endswith(":0") else v.name
+
+
+def build_sharded(
+    model_fn,
+    input_signature,
+    mesh: dtensor.Mesh,
+    axis_rules: Sequence[AxisRule],
+    table: Mapping[str, str | None],
+):
+    """Builds a tf_keras model whose variables are DVariables laid out by the rules.
+
+    The model is first built symbolically with lazily initialized variables (nothing is
+    allocated), every variable is validated against the rules, and only then are the
+    DVariables created with their layouts. Initial values are computed replicated and
+    then relaid out, so they are the same on every mesh for the same seed.
+
+    Args:
+      model_fn: () -> tf_keras.Model (a subclassed model).
+      input_signature: nest of tf.TensorSpec (batch dimension None) to build it with.
+      mesh: the mesh.
+      axis_rules: variable-path rules giving logical axes.
+      table: logical axis -> mesh axis.
+
+    Returns:
+      (model, specs, layouts): the built model, its VarSpecs and {name: Layout}.
+
+    Raises:
+      UserError: any rules-validation error (see `resolve`), before allocation.
+    """
+    import tf_keras
+    from tf_keras.src.dtensor import layout_map as layout_map_lib
+    from tf_keras.src.dtensor import lazy_variable
+
+    tf_keras.backend.experimental.enable_tf_random_generator()  # DTensor needs tf.random.Generator
+    with lazy_variable.lazy_init_scope():
+        model = model_fn()
+        inputs = tf.nest.map_structure(
+            lambda s: tf_keras.Input(shape=s.shape[1:], dtype=s.dtype, name=getattr(s, "name", None)),
+            input_signature,
+        )
+        model(inputs)
+    pairs = _lazy_variables(model)
+    by_id = {}
+    for _, v in pairs:
+        by_id.setdefault(id(v), v)
+    specs = [VarSpec(_var_name(v), tuple(v.shape.as_list()), v.dtype) for v in by_id.values()]
+    layouts = resolve(specs, axis_rules, table, mesh)
+    path_layouts = {path: layouts[_var_name(v)] for path, v in pairs}
+
+    class _Exact(layout_map_lib.LayoutMap):
+        def __getitem__(self, key):
+            return path_layouts.get(key)
+
+    exact = _Exact(mesh=mesh)
+    layout_map_lib._map_subclass_model_variable(model, exact)
+    model._layout_map = exact  # Keras-created counters become replicated DVariables
+    return model, specs, layouts
+
+
+@dataclasses.dataclass
+class ShardingConfig:
+    """Attributes map 1:1 to gin `sharding.<name>`.
+
+    Attributes:
+      preset: a key of PRESETS (None: the experiment's default).
+      rules: {logical axis: mesh axis or None} overriding the preset's table.
+    """
+
+    preset: str | None = None
+    rules: Mapping[str, str | None] | None = None
+
+    def table(self, default_preset: str) -> dict[str, str | None]:
+        return rules_table(self.preset or default_preset, self.rules)

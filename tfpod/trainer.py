@@ -1,0 +1,294 @@
+"""Training: the compiled step and the outer loop that drives it.
+
+`make_train_loop` returns the one compiled function: it runs up to
+`train.steps_per_loop` train steps (forward, loss, gradients, clipping, optimizer
+update) on a stack of batches without returning to Python. Everything else runs
+eagerly on the host between calls, in `Trainer.train`: feeding the next stack of
+batches, logging, metrics.jsonl, TensorBoard summaries and checkpoints.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import json
+import logging
+import os
+import time
+from typing import Callable, Iterator, Mapping
+
+import numpy as np
+import tensorflow as tf
+import tf_keras
+from tensorflow.experimental import dtensor
+
+from tfpod import UserError, checkpoint, flops, mesh as meshlib, optimizers, runtime, sharding
+from tfpod.input import feed
+
+log = logging.getLogger("tfpod")
+
+PRECISIONS = ("float32", "mixed_bfloat16")
+
+
+@dataclasses.dataclass
+class TrainConfig:
+    """The run. Attributes map 1:1 to gin `train.<name>`.
+
+    Attributes:
+      steps: total optimizer steps of the run (a resumed run trains up to this).
+      global_batch_size: examples per step over all hosts and devices.
+      seed: seeds initialization, dropout and synthetic data.
+      steps_per_loop: train steps per call of the compiled loop (host round trip).
+      checkpoint_every: save every this many steps (and always at the end).
+      eval_every: steps between evaluations in train_and_eval mode (0: never).
+      log_every: log and write metrics every this many steps.
+      synthetic_data: random batches of the experiment's shapes, no files read.
+      keep_checkpoints: how many recent checkpoints to keep.
+      precision: float32, or mixed_bfloat16 (bf16 compute, fp32 weights and loss).
+      peak_flops: per-device peak FLOP/s for MFU (None: data sheet or measured).
+    """
+
+    steps: int = 100
+    global_batch_size: int = 8
+    seed: int = 0
+    steps_per_loop: int = 10
+    checkpoint_every: int = 100
+    eval_every: int = 0
+    log_every: int = 10
+    synthetic_data: bool = False
+    keep_checkpoints: int = 3
+    precision: str = "float32"
+    peak_flops: float | None = None
+
+    def __post_init__(self):
+        for field in ("steps", "global_batch_size", "steps_per_loop", "checkpoint_every", "log_every"):
+            if getattr(self, field) < 1:
+                raise UserError(f"train.{field}={getattr(self, field)} must be at least 1")
+        if self.eval_every < 0:
+            raise UserError(f"train.eval_every={self.eval_every} must be >= 0")
+        if self.precision not in PRECISIONS:
+            raise UserError(f"train.precision={self.precision!r}: use one of {', '.join(PRECISIONS)}")
+
+
+def make_train_loop(model, optimizer, loss_fn, clip_norm: float | None, steps_per_loop: int):
+    """The compiled training loop: up to `steps_per_loop` steps per call.
+
+    Args:
+      model: the sharded model.
+      optimizer: its optimizer, state already created.
+      loss_fn: (model, batch, training) -> (loss, metrics).
+      clip_norm: global-norm gradient clipping (None or 0: off).
+      steps_per_loop: the leading dimension of the stacked batches.
+
+    Returns:
+      fn(stacked_batches, num_steps) -> (losses [steps_per_loop], grad_norms
+      [steps_per_loop]); entries past num_steps are 0.
+    """
+    variables = model.trainable_variables
+
+    def train_step(batch):
+        with tf.GradientTape() as tape:
+            loss, _ = loss_fn(model, batch, True)
+        grads = tape.gradient(loss, variables)
+        grads = [tf.convert_to_tensor(g) for g in grads]  # IndexedSlices -> dense
+        if clip_norm:
+            grads, norm = tf.clip_by_global_norm(grads, clip_norm)
+        else:
+            norm = tf.linalg.global_norm(grads)
+        optimizer.apply_gradients(zip(grads, variables))
+        return loss, norm
+
+    @tf.function
+    def train_loop(stacked, num_steps):
+        losses = tf.zeros([steps_per_loop])
+        norms = tf.zeros([steps_per_loop])
+        for i in tf.range(num_steps):
+            batch = {k: tf.gather(v, i) for k, v in stacked.items()}
+            loss, norm = train_step(batch)
+            hot = tf.one_hot(i, steps_per_loop)
+            losses += hot * tf.cast(loss, tf.float32)
+            norms += hot * tf.cast(norm, tf.float32)
+        return losses, norms
+
+    return train_loop
+
+
+def _gather_scalar(x) -> np.ndarray:
+    """A replicated DTensor (or plain tensor) as a host numpy array."""
+    try:
+        return dtensor.unpack(x)[0].numpy()
+    except (ValueError, TypeError, tf.errors.InvalidArgumentError):
+        return np.asarray(x)
+
+
+class Trainer:
+    """Builds the sharded model and optimizer, restores, trains, logs and checkpoints.
+
+    Args:
+      task: the model's task module/object (build, AXIS_RULES, input_signature, ...).
+      model_config: the task's model config.
+      train: TrainConfig.
+      optimizer: OptimizerConfig.
+      mesh: the global mesh.
+      table: logical -> mesh axis rules table.
+      model_dir: output directory.
+    """
+
+    def __init__(self, task, model_config, train: TrainConfig, optimizer: optimizers.OptimizerConfig,
+                 mesh: dtensor.Mesh, table: Mapping[str, str | None], model_dir: str):
+        self.task, self.model_config, self.cfg, self.opt_cfg = task, model_config, train, optimizer
+        self.mesh, self.table, self.model_dir = mesh, dict(table), model_dir
+        self.info = runtime.info()
+        self.is_chief = self.info.client_id == 0
+        os.makedirs(model_dir, exist_ok=True)
+
+        batch_axis = feed._batch_mesh_axis(task.batch_axes()["inputs"], self.table, mesh)
+        self.host_rows = feed.host_rows(train.global_batch_size, mesh, batch_axis)
+        self.seq_len = getattr(model_config, "seq_len", None)
+        log.info("%s", meshlib.describe(mesh, train.global_batch_size, self.seq_len, batch_axis or "data"))
+
+        tf_keras.utils.set_random_seed(train.seed)
+        tf_keras.mixed_precision.set_global_policy(train.precision)
+        try:
+            self.model, self.specs, self.layouts = sharding.build_sharded(
+                lambda: task.build(model_config), task.input_signature(model_config), mesh, task.AXIS_RULES, self.table
+            )
+        finally:
+            tf_keras.mixed_precision.set_global_policy("float32")
+        report = sharding.layout_report(self.specs, self.layouts, title=f"{task.NAME} variables")
+        log.info("layouts:\n%s", report)
+        if self.is_chief:
+            with open(os.path.join(model_dir, "layouts.txt"), "w") as f:
+                f.write(report)
+
+        self.optimizer = optimizers.build_optimizer(optimizer, train.steps)
+        optimizers.create_state(self.optimizer, self.model.trainable_variables, mesh)
+        self.step_var = self.optimizer.iterations
+        self.checkpoints = checkpoint.CheckpointManager(
+            model_dir, self.step_var, keep=train.keep_checkpoints, model=self.model, optimizer=self.optimizer
+        )
+        self._train_loop = make_train_loop(
+            self.model, self.optimizer, task.loss_and_metrics, optimizer.clip_norm, train.steps_per_loop
+        )
+        self.tokens_per_step = train.global_batch_size * (self.seq_len or 1)
+        self.flops_per_step = task.flops_per_token(model_config) * self.tokens_per_step
+        per_device = train.peak_flops or flops.peak_flops_per_device(
+            self.info.device_type, "bfloat16" if train.precision == "mixed_bfloat16" else "float32"
+        )
+        # Logical CPU devices share the host's cores, and the CPU peak is measured per host.
+        units = self.info.num_clients if (self.info.device_type == "CPU" and not train.peak_flops) else self.info.num_global_devices
+        self.peak_total = per_device * units
+        self._writer = tf.summary.create_file_writer(os.path.join(model_dir, "train")) if self.is_chief else None
+
+    # -- data ---------------------------------------------------------------
+
+    def synthetic_batches(self, start_step: int) -> Iterator[dict]:
+        """Synthetic host batches; batch s depends only on (seed, s, host), so resume is exact."""
+        step = start_step
+        while True:
+            rng = np.random.default_rng([self.cfg.seed, step, self.info.client_id])
+            yield self.task.synthetic_batch(self.model_config, self.host_rows, rng)
+            step += 1
+
+    def _stack(self, batches: list[dict]) -> dict:
+        n = self.cfg.steps_per_loop
+        stacked = {}
+        for k in batches[0]:
+            arr = np.stack([b[k] for b in batches])
+            if len(batches) < n:
+                arr = np.concatenate([arr, np.zeros((n - len(batches),) + arr.shape[1:], arr.dtype)])
+            stacked[k] = arr
+        return feed.to_global(stacked, self.task.batch_axes(), self.table, self.mesh, leading_dims=1)
+
+    # -- loop ---------------------------------------------------------------
+
+    def _next_boundary(self, step: int) -> int:
+        c = self.cfg
+        marks = [c.steps, (step // c.log_every + 1) * c.log_every, (step // c.checkpoint_every + 1) * c.checkpoint_every]
+        if c.eval_every:
+            marks.append((step // c.eval_every + 1) * c.eval_every)
+        return min(min(marks), step + c.steps_per_loop)
+
+    def train(self, batches_fn: Callable[[int], Iterator[dict]] | None = None) -> dict:
+        """Trains from the newest checkpoint (or from scratch) up to train.steps.
+
+        Args:
+          batches_fn: start_step -> iterator of host batches (default: synthetic).
+
+        Returns:
+          {"step": final step, "loss": last logged loss, "losses": every step's loss}.
+        """
+        c = self.cfg
+        resumed = self.checkpoints.restore_latest()
+        step = resumed or 0
+        if step >= c.steps:
+            log.info("already at step %d of train.steps=%d: nothing to train", step, c.steps)
+            return {"step": step, "loss": None, "losses": []}
+        batches = (batches_fn or self.synthetic_batches)(step)
+        start_step, t_start = step, time.time()
+        window_losses, window_steps, t_window = [], 0, time.time()
+        rate = None  # seconds per step, excluding the first (compiling) call
+        all_losses, last_loss = [], None
+        first_call = True
+        with sharding.activation_sharding(self.mesh, self.table):
+            while step < c.steps:
+                n = self._next_boundary(step) - step
+                stacked = self._stack([next(batches) for _ in range(n)])
+                t_call = time.time()
+                losses, norms = self._train_loop(stacked, tf.constant(n, tf.int32))
+                losses = _gather_scalar(losses)[:n]
+                norms = _gather_scalar(norms)[:n]
+                dt = time.time() - t_call
+                if not first_call:
+                    rate = dt / n if rate is None else 0.7 * rate + 0.3 * dt / n
+                first_call = False
+                if not np.all(np.isfinite(losses)):
+                    bad = step + int(np.argmin(np.isfinite(losses))) + 1
+                    raise UserError(
+                        f"loss became {losses[~np.isfinite(losses)][0]} at step {bad}: lower optimizer.learning_rate, "
+                        f"raise optimizer.warmup_steps or set optimizer.clip_norm; checkpoints up to "
+                        f"{self.checkpoints.latest or 'none'} are intact"
+                    )
+                step += n
+                all_losses.extend(float(x) for x in losses)
+                window_losses.extend(float(x) for x in losses)
+                window_steps += n
+                if step % c.log_every == 0 or step == c.steps:
+                    elapsed = time.time() - t_window
+                    last_loss = float(np.mean(window_losses))
+                    self._log_train(step, last_loss, float(norms[-1]), window_steps, elapsed, rate)
+                    window_losses, window_steps, t_window = [], 0, time.time()
+                if step % c.checkpoint_every == 0 or step == c.steps:
+                    self.checkpoints.save()
+        log.info(
+            "trained steps %d..%d in %s; final loss %.4f",
+            start_step, step, datetime.timedelta(seconds=round(time.time() - t_start)), all_losses[-1],
+        )
+        if self._writer:
+            self._writer.flush()
+        return {"step": step, "loss": last_loss, "losses": all_losses}
+
+    def _log_train(self, step: int, loss: float, grad_norm: float, steps: int, elapsed: float, rate: float | None):
+        c = self.cfg
+        steps_per_sec = steps / max(elapsed, 1e-9)
+        examples_per_sec = steps_per_sec * c.global_batch_size
+        tokens_per_sec = steps_per_sec * self.tokens_per_step
+        mfu = flops.mfu(steps_per_sec * self.flops_per_step, self.peak_total)
+        lr = float(_gather_scalar(self.optimizer._decayed_lr(tf.float32)))
+        eta = datetime.timedelta(seconds=round((c.steps - step) * (rate if rate is not None else elapsed / steps)))
+        log.info(
+            "step %d/%d | loss %.4f | %s tokens/s | %.1f examples/s | mfu %.1f%% | lr %.2e | grad_norm %.3f | eta %s",
+            step, c.steps, loss, f"{tokens_per_sec:,.0f}", examples_per_sec, 100 * mfu, lr, grad_norm, eta,
+        )
+        if not self.is_chief:
+            return
+        record = {
+            "kind": "train", "step": step, "loss": loss, "tokens_per_sec": tokens_per_sec,
+            "examples_per_sec": examples_per_sec, "mfu": mfu, "time": time.time(),
+            "learning_rate": lr, "grad_norm": grad_norm,
+        }
+        with open(os.path.join(self.model_dir, "metrics.jsonl"), "a") as f:
+            f.write(json.dumps(record) + "\n")
+        with self._writer.as_default(step=step):
+            for key in ("loss", "tokens_per_sec", "examples_per_sec", "mfu", "learning_rate", "grad_norm"):
+                tf.summary.scalar(key, record[key])
