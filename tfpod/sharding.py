@@ -308,15 +308,22 @@ def replicate(x: tf.Tensor) -> tf.Tensor:
 
 
 def _lazy_variables(model):
-    """[(object_path, LazyInitVariable)] of a lazily built tf_keras model (each path)."""
+    """[(object_path, variable)] of a lazily built tf_keras model, one entry per path.
+
+    `variable` is a LazyInitVariable, or (under a mixed-precision policy) an
+    AutoCastVariable wrapping one.
+    """
     from tf_keras.src.dtensor import lazy_variable
 
-    return [
-        (".".join(str(p) for p in path), v)
-        for path, v in model._flatten(
-            predicate=lambda o: isinstance(o, lazy_variable.LazyInitVariable), with_path=True
-        )
-    ]
+    def is_lazy(o):
+        inner = getattr(o, "_variable", o) if type(o).__name__ == "AutoCastVariable" else o
+        return isinstance(inner, lazy_variable.LazyInitVariable)
+
+    return [(".".join(str(p) for p in path), v) for path, v in model._flatten(predicate=is_lazy, with_path=True)]
+
+
+def _unwrap(v):
+    return v._variable if type(v).__name__ == "AutoCastVariable" else v
 
 
 def _var_name(v) -> str:
@@ -364,9 +371,9 @@ def build_sharded(
         model(inputs)
     pairs = _lazy_variables(model)
     by_id = {}
-    for _, v in pairs:
-        by_id.setdefault(id(v), v)
-    specs = [VarSpec(_var_name(v), tuple(v.shape.as_list()), v.dtype) for v in by_id.values()]
+    for path, v in pairs:
+        by_id.setdefault(id(v), (path, v))
+    specs = [VarSpec(_var_name(v), tuple(v.shape.as_list()), _unwrap(v).dtype) for _, v in by_id.values()]
     layouts = resolve(specs, axis_rules, table, mesh)
     path_layouts = {path: layouts[_var_name(v)] for path, v in pairs}
 
@@ -375,6 +382,11 @@ def build_sharded(
             return path_layouts.get(key)
 
     exact = _Exact(mesh=mesh)
+    # Mixed precision: every reference shares the AutoCastVariable, so swapping the
+    # variable inside it places them all; tf_keras maps the plain lazy variables.
+    for path, v in by_id.values():
+        if v is not _unwrap(v):
+            v._variable = layout_map_lib._create_dvariable(exact, path, v._variable)
     layout_map_lib._map_subclass_model_variable(model, exact)
     model._layout_map = exact  # Keras-created counters become replicated DVariables
     return model, specs, layouts

@@ -1,0 +1,130 @@
+"""Training on 8 logical CPU devices: sharded meshes against one device, resume, options."""
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import tensorflow as tf
+from tensorflow.experimental import dtensor
+
+from tfpod import UserError, optimizers, sharding
+from tfpod.main import run
+from tfpod.mesh import make_mesh
+from tfpod.models import gpt
+from tfpod.trainer import TrainConfig, Trainer
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SMALL = dict(vocab_size=256, seq_len=32, num_layers=2, embed_dim=64, num_heads=8, mlp_dim=128)
+
+
+def train(model_dir, mesh, steps=4, preset="tensor", model=None, opt=None, **train_kw):
+    cfg = gpt.GPTConfig(**{**SMALL, **(model or {})})
+    kw = dict(steps=steps, global_batch_size=16, steps_per_loop=2, log_every=2, checkpoint_every=100,
+              synthetic_data=True, seed=1)
+    kw.update(train_kw)
+    opt_cfg = optimizers.OptimizerConfig(**{"learning_rate": 1e-2, "warmup_steps": 0, "decay_steps": 8, **(opt or {})})
+    trainer = Trainer(gpt, cfg, TrainConfig(**kw), opt_cfg, mesh, sharding.rules_table(preset), str(model_dir))
+    return trainer, trainer.train()
+
+
+# The same small LM as gin bindings, for runs through main.py.
+SMALL_PARAMS = [f"gpt.{k}={v}" for k, v in SMALL.items()] + [
+    "train.steps=4", "train.global_batch_size=16", "train.steps_per_loop=2", "train.log_every=1", "train.seed=1",
+    "train.checkpoint_every=100", "optimizer.learning_rate=0.01", "optimizer.warmup_steps=0",
+    "optimizer.decay_steps=8", "sharding.preset='tensor'",
+]
+
+
+def test_meshes_give_the_single_device_loss(tmp_path):
+    """Same seed and global batch: every mesh's losses match one device's (relative 1e-3).
+
+    The reference runs the real main.py in a process with one CPU device.
+    """
+    ref_dir = tmp_path / "one"
+    cmd = [sys.executable, "main.py", "--gin_file=gin/lm_tiny.gin", "--cpu_devices=1", "--mesh=data:1,model:1",
+           f"--model_dir={ref_dir}"] + [f"--gin_param={p}" for p in SMALL_PARAMS]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    ref_losses = np.array([json.loads(l)["loss"] for l in open(ref_dir / "metrics.jsonl")])
+    assert len(ref_losses) == 4 and ref_losses[-1] < ref_losses[0]
+    for spec in ["data:8", "data:4,model:2", "data:2,model:4", "data:1,model:8"]:
+        out = run(["gin/lm_tiny.gin"], SMALL_PARAMS, str(tmp_path / spec.replace(":", "").replace(",", "_")), mesh_spec=spec)
+        rel = np.abs(np.array(out["losses"]) - ref_losses) / np.abs(ref_losses)
+        assert rel.max() < 1e-3, (spec, out["losses"], ref_losses)
+
+
+def test_tensor_preset_really_shards_weights(tmp_path):
+    trainer, _ = train(tmp_path, make_mesh("data:2,model:4"), steps=2)
+    kernel = trainer.model.blocks[0]._intermediate_dense.kernel
+    assert dtensor.fetch_layout(kernel).sharding_specs == [dtensor.UNSHARDED, "model"]
+    assert dtensor.unpack(kernel.read_value())[0].shape == (64, 128 // 4)
+    slot = trainer.optimizer.get_slot(kernel, "m")
+    assert dtensor.fetch_layout(slot).sharding_specs == [dtensor.UNSHARDED, "model"]
+
+
+def test_resume_continues_exactly(tmp_path):
+    """4 steps, stop, resume to 8: steps 5..8 equal an uninterrupted 8-step run."""
+    mesh = make_mesh("data:4,model:2")
+    _, full = train(tmp_path / "full", mesh, steps=8)
+    _, first = train(tmp_path / "split", mesh, steps=4)
+    assert os.path.isdir(tmp_path / "split" / "checkpoints")
+    trainer, second = train(tmp_path / "split", mesh, steps=8)
+    assert len(first["losses"]) == 4 and len(second["losses"]) == 4  # resumed at step 4, not 0
+    np.testing.assert_allclose(first["losses"] + second["losses"], full["losses"], rtol=1e-5)
+    assert int(trainer.step_var.numpy()) == 8
+    _, again = train(tmp_path / "split", mesh, steps=8)
+    assert again["losses"] == [] and again["step"] == 8  # nothing left to train
+
+
+def test_checkpoint_cadence_keeps_last_n(tmp_path):
+    train(tmp_path, make_mesh("data:8"), steps=8, checkpoint_every=2, keep_checkpoints=2)
+    names = sorted(f for f in os.listdir(tmp_path / "checkpoints") if f.endswith(".index"))
+    assert names == ["ckpt-6.index", "ckpt-8.index"]
+
+
+def test_metrics_jsonl_and_tensorboard(tmp_path):
+    train(tmp_path, make_mesh("data:4,model:2"), steps=4)
+    records = [json.loads(l) for l in open(tmp_path / "metrics.jsonl")]
+    assert [r["step"] for r in records] == [2, 4]
+    for r in records:
+        assert r["kind"] == "train"
+        for key, kind in [("step", int), ("loss", float), ("tokens_per_sec", float), ("examples_per_sec", float),
+                          ("mfu", float), ("time", float)]:
+            assert isinstance(r[key], kind), key
+        assert r["tokens_per_sec"] == pytest.approx(r["examples_per_sec"] * 32)
+        assert 0 < r["mfu"] < 1
+    assert any(f.startswith("events.out.tfevents") for f in os.listdir(tmp_path / "train"))
+    assert "gpt/block_0/intermediate/kernel" in open(tmp_path / "layouts.txt").read()
+
+
+@pytest.mark.parametrize("name,lr", [("lamb", 5e-3), ("lars", 0.5), ("sgd", 0.5)])
+def test_other_optimizers_train(tmp_path, name, lr):
+    """Each Model Garden optimizer updates the sharded weights, its slots laid out like them."""
+    trainer, out = train(tmp_path, make_mesh("data:4,model:2"), steps=2, opt={"name": name, "learning_rate": lr},
+                         checkpoint_every=1)
+    assert np.all(np.isfinite(out["losses"]))
+    kernel = trainer.model.blocks[0]._intermediate_dense.kernel
+    before = tf.train.load_variable(str(tmp_path / "checkpoints" / "ckpt-1"),
+                                    "model/blocks/0/_intermediate_dense/kernel/.ATTRIBUTES/VARIABLE_VALUE")
+    after = dtensor.unpack(dtensor.relayout(kernel.read_value(), dtensor.Layout.replicated(trainer.mesh, 2)))[0]
+    assert np.abs(after.numpy() - before).max() > 0  # step 2 moved the weights
+    slots = optimizers.slot_variables(trainer.optimizer)
+    assert slots and all(dtensor.fetch_layout(s).mesh == trainer.mesh for s in slots)
+
+
+def test_bf16_and_dropout_under_dtensor(tmp_path):
+    mesh = make_mesh("data:4,model:2")
+    _, fp32 = train(tmp_path / "fp32", mesh, steps=2)
+    _, bf16 = train(tmp_path / "bf16", mesh, steps=2, precision="mixed_bfloat16")
+    np.testing.assert_allclose(bf16["losses"], fp32["losses"], rtol=3e-2)
+    assert bf16["losses"] != fp32["losses"]  # really computed in bf16
+    _, drop = train(tmp_path / "drop", mesh, steps=2, model={"dropout": 0.3, "attention_dropout": 0.3})
+    assert np.all(np.isfinite(drop["losses"])) and drop["losses"] != fp32["losses"]
+
+
+def test_batch_must_divide_over_data_axis(tmp_path):
+    with pytest.raises(UserError, match="global_batch_size=12 does not divide over mesh axis 'data' of size 8"):
+        train(tmp_path, make_mesh("data:8"), global_batch_size=12)
