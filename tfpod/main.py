@@ -108,8 +108,8 @@ def _one_line(e: BaseException) -> str:
 def _build_config(name: str):
     try:
         return _CONFIGURABLES[name]()
-    except UserError:
-        raise
+    except UserError as e:  # gin appends "In call to configurable ..." on a new line
+        raise UserError(str(e).splitlines()[0]) from None
     except (TypeError, ValueError) as e:
         raise UserError(f"gin config for {name}.*: {_one_line(e)}") from None
 
