@@ -86,3 +86,13 @@ def test_nothing_saved_is_lost_on_a_bad_rerun(tmp_path):
     with pytest.raises(UserError):
         run(["gin/lm_tiny.gin"], ["gpt.num_heads=7"], d, mesh_spec="data:8")
     assert {f: os.path.getmtime(os.path.join(d, f)) for f in before} == before
+
+
+def test_required_values_must_be_set(tmp_path):
+    bare = tmp_path / "bare.gin"
+    bare.write_text("include 'run/base.gin'\ninclude 'model/gpt_tiny.gin'\ntrain.synthetic_data = True\n")
+    with pytest.raises(UserError) as e:
+        run([str(bare)], [], str(tmp_path / "out"), mesh_spec="data:8")
+    assert str(e.value) == (
+        "train.steps is required and unset: bind it in your gin file or pass --gin_param=train.steps=VALUE"
+    )

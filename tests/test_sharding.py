@@ -163,3 +163,30 @@ def test_golden_layout_of_gpt_tiny(mesh, preset):
             f.write(report)
     with open(path) as f:
         assert report == f.read()
+
+
+def test_gpt_small_is_125m_parameters():
+    """gin/gpt_small.gin's shape, counted from a lazy build (nothing allocated)."""
+    import math
+
+    cfg = gpt.GPTConfig(vocab_size=50304, seq_len=1024, num_layers=12, embed_dim=768, num_heads=12, mlp_dim=3072)
+    specs = sharding.variable_specs(lambda: gpt.build(cfg), gpt.input_signature(cfg))
+    n = sum(math.prod(s.shape) for s in specs)
+    assert 120e6 < n < 130e6, n
+
+
+def test_activation_helpers_relayout_inside_the_context(mesh):
+    import tensorflow as tf
+
+    x = dtensor.copy_to_mesh(tf.ones([8, 4, 16]), dtensor.Layout.replicated(mesh, 3))
+    assert sharding.shard(x, ("batch", "length", "embed")) is x  # no context: unchanged
+    with sharding.activation_sharding(mesh, TENSOR):
+        sharded = sharding.shard(x, ("batch", "length", "mlp"))
+        assert dtensor.fetch_layout(sharded).sharding_specs == ["data", U, "model"]
+        split = sharding.split(x, 1, "model")
+        assert dtensor.fetch_layout(split).sharding_specs == [U, "model", U]
+        back = sharding.replicate(sharded)
+        assert dtensor.fetch_layout(back).sharding_specs == [U, U, U]
+        assert float(tf.reduce_sum(back)) == 8 * 4 * 16
+        with pytest.raises(ValueError, match="got 2 logical axes"):
+            sharding.shard(x, ("batch", "length"))

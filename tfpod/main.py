@@ -94,10 +94,16 @@ def parse_config(gin_files: list[str], gin_params: list[str]) -> None:
         gin.add_config_file_search_path(d)
         gin.add_config_file_search_path(os.path.dirname(d))
     files = [resolve_gin_file(f) for f in gin_files]
+    from absl import logging as absl_logging
+
+    verbosity = absl_logging.get_verbosity()
+    absl_logging.set_verbosity(absl_logging.FATAL)  # gin logs an ERROR for each include path it probes
     try:
         gin.parse_config_files_and_bindings(files, gin_params, finalize_config=False)
     except Exception as e:  # gin raises ValueError, KeyError, ImportError, SyntaxError...
         raise UserError(f"gin config: {_one_line(e)} (files: {', '.join(files) or 'none'}; params: {gin_params})") from None
+    finally:
+        absl_logging.set_verbosity(verbosity)
 
 
 def _one_line(e: BaseException) -> str:
@@ -105,7 +111,22 @@ def _one_line(e: BaseException) -> str:
     return text if len(text) < 400 else text[:400] + "..."
 
 
+def _check_required(name: str) -> None:
+    """gin files mark values every experiment must set as `%gin.REQUIRED`; say which is unset."""
+    for field in (f.name for f in dataclasses.fields(_CONFIGURABLES[name])):
+        try:
+            value = gin.query_parameter(f"{name}.{field}")
+        except ValueError:
+            continue
+        if str(value) == "%gin.REQUIRED":
+            raise UserError(
+                f"{name}.{field} is required and unset: bind it in your gin file or pass "
+                f"--gin_param={name}.{field}=VALUE"
+            )
+
+
 def _build_config(name: str):
+    _check_required(name)
     try:
         return _CONFIGURABLES[name]()
     except UserError as e:  # gin appends "In call to configurable ..." on a new line

@@ -330,6 +330,32 @@ def _var_name(v) -> str:
     return v.name[:-2] if v.name.endswith(":0") else v.name
 
 
+def _lazy_build(model_fn, input_signature):
+    """Builds the model symbolically with lazily initialized variables (nothing allocated)."""
+    import tf_keras
+    from tf_keras.src.dtensor import lazy_variable
+
+    tf_keras.backend.experimental.enable_tf_random_generator()  # DTensor needs tf.random.Generator
+    with lazy_variable.lazy_init_scope():
+        model = model_fn()
+        inputs = tf.nest.map_structure(
+            lambda s: tf_keras.Input(shape=s.shape[1:], dtype=s.dtype, name=getattr(s, "name", None)),
+            input_signature,
+        )
+        model(inputs)
+    pairs = _lazy_variables(model)
+    by_id = {}
+    for path, v in pairs:
+        by_id.setdefault(id(v), (path, v))
+    specs = [VarSpec(_var_name(v), tuple(v.shape.as_list()), _unwrap(v).dtype) for _, v in by_id.values()]
+    return model, pairs, by_id, specs
+
+
+def variable_specs(model_fn, input_signature) -> list[VarSpec]:
+    """The model's variables (name, global shape, dtype) without allocating any."""
+    return _lazy_build(model_fn, input_signature)[3]
+
+
 def build_sharded(
     model_fn,
     input_signature,
@@ -357,23 +383,9 @@ def build_sharded(
     Raises:
       UserError: any rules-validation error (see `resolve`), before allocation.
     """
-    import tf_keras
     from tf_keras.src.dtensor import layout_map as layout_map_lib
-    from tf_keras.src.dtensor import lazy_variable
 
-    tf_keras.backend.experimental.enable_tf_random_generator()  # DTensor needs tf.random.Generator
-    with lazy_variable.lazy_init_scope():
-        model = model_fn()
-        inputs = tf.nest.map_structure(
-            lambda s: tf_keras.Input(shape=s.shape[1:], dtype=s.dtype, name=getattr(s, "name", None)),
-            input_signature,
-        )
-        model(inputs)
-    pairs = _lazy_variables(model)
-    by_id = {}
-    for path, v in pairs:
-        by_id.setdefault(id(v), (path, v))
-    specs = [VarSpec(_var_name(v), tuple(v.shape.as_list()), _unwrap(v).dtype) for _, v in by_id.values()]
+    model, pairs, by_id, specs = _lazy_build(model_fn, input_signature)
     layouts = resolve(specs, axis_rules, table, mesh)
     path_layouts = {path: layouts[_var_name(v)] for path, v in pairs}
 
