@@ -57,3 +57,32 @@ class CheckpointManager:
 
     def has(self, step: int) -> bool:
         return any(p.endswith(f"-{step}") for p in self._manager.checkpoints)
+
+
+class InputCheckpoint:
+    """One host's input position (its tf.data iterator), saved beside each model checkpoint.
+
+    A tf.data iterator cannot share a tf.train.Checkpoint with DVariables, so every host
+    keeps its own small checkpoint in model_dir/checkpoints/input-host<h>/, numbered by
+    the same step as the model checkpoint it belongs to. It is written before the model
+    checkpoint, so the newest model checkpoint always has its input position.
+    """
+
+    def __init__(self, model_dir: str, host_id: int, iterator, keep: int = 3):
+        self.directory = os.path.join(model_dir, "checkpoints", f"input-host{host_id}")
+        self._ckpt = tf.train.Checkpoint(iterator=iterator)
+        self._manager = tf.train.CheckpointManager(self._ckpt, self.directory, max_to_keep=keep)
+
+    def save(self, step: int) -> None:
+        self._manager.save(checkpoint_number=step)
+
+    def restore(self, step: int) -> None:
+        """Restores the position saved with the model checkpoint of `step`."""
+        path = os.path.join(self.directory, f"ckpt-{step}")
+        if not tf.io.gfile.exists(path + ".index"):
+            raise UserError(
+                f"checkpoint step {step} has no input position in {self.directory}: the input cannot resume "
+                "exactly; restore that folder, or start a new --model_dir"
+            )
+        self._ckpt.restore(path).assert_existing_objects_matched()
+        log.info("input resumed at step %d from %s", step, path)

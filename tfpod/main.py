@@ -60,6 +60,9 @@ def _register():
     _CONFIGURABLES["train"] = gin.external_configurable(trainer.TrainConfig, name="train")
     _CONFIGURABLES["optimizer"] = gin.external_configurable(optimizers.OptimizerConfig, name="optimizer")
     _CONFIGURABLES["sharding"] = gin.external_configurable(sharding.ShardingConfig, name="sharding")
+    from tfpod.input import pipeline
+
+    _CONFIGURABLES["lm_data"] = gin.external_configurable(pipeline.LMDataConfig, name="lm_data")
     for name, task in TASKS.items():
         _CONFIGURABLES[name] = gin.external_configurable(task.Config, name=name)
     return _CONFIGURABLES
@@ -180,17 +183,30 @@ def run(
 
     info = runtime.initialize(cpu_devices=cpu_devices, device_type=device_type)
     mesh = meshlib.make_mesh(mesh_spec or experiment.mesh)
+    dataset_fn = None
     if not train_config.synthetic_data:
-        raise UserError(
-            "train.synthetic_data=False needs the real corpus pipeline, which is still to be built (issue #3): "
-            "set train.synthetic_data=True"
-        )
+        from tfpod.input import files as files_lib, pipeline
+
+        data = _build_config("lm_data")
+        seq_len = pipeline.check_seq_len(data, model_config.seq_len)
+        where = pipeline.resolve(data)  # prepares the default corpus on first use
+
+        def dataset_fn(host_rows):
+            return pipeline.lm_dataset(
+                data, where.train_files, where.vocab_path, seq_len, host_rows,
+                info.num_clients, info.client_id, train_config.seed, model_config.vocab_size,
+            )
+
     os.makedirs(model_dir, exist_ok=True)
     t = trainer.Trainer(task, model_config, train_config, opt_config, mesh, table, model_dir)
+    if dataset_fn is not None:
+        t.corrupt_finder = lambda: pipeline.find_corrupt(
+            files_lib.plan(where.train_files, info.num_clients, info.client_id, train_config.seed).files
+        )
     if info.client_id == 0:
         with open(os.path.join(model_dir, "config.gin"), "w") as f:
             f.write(gin.operative_config_str())
-    return t.train()
+    return t.train(dataset_fn, checkpointable_input=not (dataset_fn and data.service_address))
 
 
 def main(argv) -> None:

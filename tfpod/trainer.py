@@ -113,6 +113,10 @@ def make_train_loop(model, optimizer, loss_fn, clip_norm: float | None, steps_pe
     return train_loop
 
 
+def _first_line(e: BaseException) -> str:
+    return str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+
+
 def _gather_scalar(x) -> np.ndarray:
     """A replicated DTensor (or plain tensor) as a host numpy array."""
     try:
@@ -209,11 +213,46 @@ class Trainer:
             marks.append((step // c.eval_every + 1) * c.eval_every)
         return min(min(marks), step + c.steps_per_loop)
 
-    def train(self, batches_fn: Callable[[int], Iterator[dict]] | None = None) -> dict:
+    def _dataset_batches(self, dataset: tf.data.Dataset, resumed: int | None, checkpointable: bool):
+        """Host batches from this host's dataset; its position is checkpointed with the model."""
+        iterator = iter(dataset)
+        input_ckpt = None
+        if checkpointable:
+            input_ckpt = checkpoint.InputCheckpoint(self.model_dir, self.info.client_id, iterator, self.cfg.keep_checkpoints)
+            if resumed is not None:
+                input_ckpt.restore(resumed)
+        elif resumed is not None:
+            log.warning("input read through the tf.data service cannot resume exactly: it restarts at step %d", resumed)
+
+        def batches():
+            while True:
+                try:
+                    batch = next(iterator)
+                except StopIteration:
+                    raise UserError(
+                        "the input produced no (more) batches: the data holds fewer tokens than one host batch "
+                        "(global_batch / hosts rows of seq_len + 1 tokens); add data or lower train.global_batch_size"
+                    ) from None
+                except tf.errors.DataLossError as e:
+                    raise UserError(f"corrupt input data ({_first_line(e)}): {self._corrupt_hint()}") from None
+                yield {k: v.numpy() for k, v in batch.items()}
+
+        return batches(), input_ckpt
+
+    def _corrupt_hint(self) -> str:
+        bad = self.corrupt_finder() if self.corrupt_finder else None
+        where = f"file {bad} is corrupt" if bad else "one of this host's files is corrupt"
+        return f"{where}; replace it, or set lm_data.skip_corrupt=True to skip unreadable records"
+
+    corrupt_finder: Callable[[], str | None] | None = None
+
+    def train(self, dataset_fn: Callable[[int], tf.data.Dataset] | None = None, checkpointable_input: bool = True) -> dict:
         """Trains from the newest checkpoint (or from scratch) up to train.steps.
 
         Args:
-          batches_fn: start_step -> iterator of host batches (default: synthetic).
+          dataset_fn: host_rows -> this host's dataset of batches (None: synthetic data).
+          checkpointable_input: whether the dataset's iterator can be checkpointed
+            (not when fed by the tf.data service).
 
         Returns:
           {"step": final step, "loss": last logged loss, "losses": every step's loss}.
@@ -224,7 +263,11 @@ class Trainer:
         if step >= c.steps:
             log.info("already at step %d of train.steps=%d: nothing to train", step, c.steps)
             return {"step": step, "loss": None, "losses": []}
-        batches = (batches_fn or self.synthetic_batches)(step)
+        input_ckpt = None
+        if dataset_fn is None:
+            batches = self.synthetic_batches(step)
+        else:
+            batches, input_ckpt = self._dataset_batches(dataset_fn(self.host_rows), resumed, checkpointable_input)
         start_step, t_start = step, time.time()
         window_losses, window_steps, t_window = [], 0, time.time()
         rate = None  # seconds per step, excluding the first (compiling) call
@@ -259,6 +302,8 @@ class Trainer:
                     self._log_train(step, last_loss, float(norms[-1]), window_steps, elapsed, rate)
                     window_losses, window_steps, t_window = [], 0, time.time()
                 if step % c.checkpoint_every == 0 or step == c.steps:
+                    if input_ckpt:
+                        input_ckpt.save(step)  # first, so the model checkpoint always has its input position
                     self.checkpoints.save()
         log.info(
             "trained steps %d..%d in %s; final loss %.4f",

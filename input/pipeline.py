@@ -1,0 +1,215 @@
+"""One host's input pipeline for the causal LM: its files -> tokens -> packed host batches.
+
+    files (this host's part, input.files) -> records -> text -> SentencePiece ids (tensorflow-text,
+    in the graph) -> packed rows [seq_len] (concat-and-split, or segments) -> shuffled ->
+    host batches [host_rows, seq_len] -> prefetched
+
+Each host builds only its rows of the global batch (global_batch / hosts); input.feed
+packs them into batch-sharded DTensors. The pipeline is deterministic for a seed, and
+its iterator is checkpointable (no Python in the graph), so the trainer saves each
+host's position beside every checkpoint and a resumed run sees the same batches.
+
+Optionally the preprocessing runs on tf.data service workers (`service_address`): the
+host's own dataset is registered with the dispatcher and its elements come back from
+the workers. A service-fed iterator cannot be checkpointed, so resume is not exact there.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+
+import tensorflow as tf
+
+from tfpod import UserError
+from tfpod.input import files as files_lib
+from tfpod.input import prepare, text
+
+log = logging.getLogger("tfpod")
+
+FORMATS = ("auto", "tfrecord", "text")
+PACKINGS = ("concat", "segments")
+
+
+@dataclasses.dataclass
+class LMDataConfig:
+    """The LM's data. Attributes map 1:1 to gin `lm_data.<name>`.
+
+    Attributes:
+      train_files: glob(s) of the training data (comma-separated); None: the prepared
+        Python stdlib corpus (prepared on first use).
+      eval_files: the same for the held-out split.
+      format: tfrecord (tf.train.Example with a bytes feature `text_feature`), text
+        (each file is one document), or auto (by extension: .tfrecord* is tfrecord).
+      text_feature: the TFRecord feature holding the document.
+      vocab_path: SentencePiece model; None: the prepared corpus's, of `vocab_size`.
+      vocab_size: vocabulary size to train when preparing the default corpus.
+      seq_len: tokens per row; None: the model's maximum length.
+      packing: concat (concatenate documents, cut rows; the LM default) or segments
+        (whole documents packed with segment ids and positions).
+      shuffle_buffer: rows in the shuffle buffer (0: no shuffling).
+      cycle_length: files read at once per host.
+      skip_corrupt: skip unreadable TFRecord data (TensorFlow logs each skip) instead of stopping.
+      data_dir: where the default corpus is prepared (None: $TFPOD_DATA_DIR or the user cache).
+      service_address: tf.data service dispatcher, e.g. "grpc://host:5000"; None: in process.
+    """
+
+    train_files: str | None = None
+    eval_files: str | None = None
+    format: str = "auto"
+    text_feature: str = "text"
+    vocab_path: str | None = None
+    vocab_size: int = 2048
+    seq_len: int | None = None
+    packing: str = "concat"
+    shuffle_buffer: int = 1024
+    cycle_length: int = 4
+    skip_corrupt: bool = False
+    data_dir: str | None = None
+    service_address: str | None = None
+
+    def __post_init__(self):
+        if self.format not in FORMATS:
+            raise UserError(f"lm_data.format={self.format!r}: use one of {', '.join(FORMATS)}")
+        if self.packing not in PACKINGS:
+            raise UserError(f"lm_data.packing={self.packing!r}: use one of {', '.join(PACKINGS)}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Resolved:
+    """Where the data and vocabulary are, once the default corpus is prepared if needed."""
+
+    train_files: str
+    eval_files: str | None
+    vocab_path: str
+
+
+def resolve(cfg: LMDataConfig) -> Resolved:
+    """Prepares the default corpus when it is used (cached), and checks the vocabulary file."""
+    data_dir = None
+    if cfg.train_files is None or cfg.vocab_path is None:
+        data_dir = prepare.ensure(cfg.data_dir, cfg.vocab_size)
+    train = cfg.train_files or prepare.split_paths(data_dir, "train")
+    evals = cfg.eval_files or (prepare.split_paths(data_dir, "eval") if cfg.train_files is None else None)
+    vocab = cfg.vocab_path or prepare.vocab_path(data_dir, cfg.vocab_size)
+    return Resolved(train, evals, vocab)
+
+
+def check_seq_len(cfg: LMDataConfig, model_seq_len: int) -> int:
+    """The row length: lm_data.seq_len if set (at most the model's maximum), else the model's."""
+    if cfg.seq_len is None:
+        return model_seq_len
+    if cfg.seq_len < 1 or cfg.seq_len > model_seq_len:
+        raise UserError(
+            f"lm_data.seq_len={cfg.seq_len} is outside [1, {model_seq_len}], the model's maximum length "
+            f"(gpt.seq_len): lower lm_data.seq_len or raise gpt.seq_len"
+        )
+    return cfg.seq_len
+
+
+def _is_tfrecord(path: str, fmt: str) -> bool:
+    return fmt == "tfrecord" or (fmt == "auto" and ".tfrecord" in os.path.basename(path))
+
+
+def _check_files(files: tuple[str, ...]) -> None:
+    for f in files:
+        if tf.io.gfile.stat(f).length == 0:
+            raise UserError(f"input file {f} is empty: remove it from the pattern or write data into it")
+
+
+def documents(shard: files_lib.HostShard, cfg: LMDataConfig, seed: int, repeat: bool) -> tf.data.Dataset:
+    """Scalar tf.string documents of this host's files, files reshuffled each epoch (seeded)."""
+    names = list(shard.files)
+    tfrecord = _is_tfrecord(names[0], cfg.format)
+    ds = tf.data.Dataset.from_tensor_slices(names)
+    if repeat:
+        ds = ds.shuffle(len(names), seed=seed, reshuffle_each_iteration=True).repeat()
+    if tfrecord:
+        feature = {cfg.text_feature: tf.io.FixedLenFeature([], tf.string)}
+
+        def read(path):
+            records = tf.data.TFRecordDataset(path)
+            if cfg.skip_corrupt:
+                records = records.apply(tf.data.experimental.ignore_errors(log_warning=True))
+            return records
+
+        ds = ds.interleave(read, cycle_length=cfg.cycle_length, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
+        if shard.record_shard:
+            ds = ds.shard(shard.num_hosts, shard.host_id)
+        ds = ds.map(lambda r: tf.io.parse_single_example(r, feature)[cfg.text_feature],
+                    num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
+    else:
+        ds = ds.map(tf.io.read_file, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
+        if shard.record_shard:
+            ds = ds.shard(shard.num_hosts, shard.host_id)
+    return ds
+
+
+def lm_dataset(
+    cfg: LMDataConfig,
+    pattern: str,
+    vocab_path: str,
+    seq_len: int,
+    host_rows: int,
+    num_hosts: int,
+    host_id: int,
+    seed: int,
+    model_vocab_size: int | None = None,
+    repeat: bool = True,
+) -> tf.data.Dataset:
+    """This host's dataset of LM batches {inputs, targets, weights[, segment_ids, positions]}.
+
+    Args:
+      cfg: LMDataConfig.
+      pattern: file glob(s) of the split.
+      vocab_path: SentencePiece model.
+      seq_len: row length.
+      host_rows: rows per host batch (global batch / hosts).
+      num_hosts, host_id: this host's place.
+      seed: file order and shuffling.
+      model_vocab_size: the model's vocabulary; the tokenizer's must fit in it.
+      repeat: cycle over the data forever (training) or once (evaluation).
+
+    Returns:
+      A dataset of host batches with static shapes [host_rows, seq_len].
+    """
+    shard = files_lib.plan(pattern, num_hosts, host_id, seed)
+    _check_files(shard.files)
+    tokenizer = text.load_tokenizer(vocab_path)
+    vocab = int(tokenizer.vocab_size())
+    if model_vocab_size is not None and vocab > model_vocab_size:
+        raise UserError(
+            f"vocabulary {vocab_path} has {vocab} pieces but the model has gpt.vocab_size={model_vocab_size}: "
+            f"set gpt.vocab_size >= {vocab} or use a smaller vocabulary"
+        )
+    ds = documents(shard, cfg, seed, repeat)
+    ds = text.tokenize(ds, tokenizer, eos_id=prepare.EOS_ID)
+    if cfg.packing == "concat":
+        ds = text.pack_concat(ds, seq_len)
+    else:
+        ds = text.pack_segments(ds, seq_len, pad_id=prepare.PAD_ID)
+    if cfg.shuffle_buffer and repeat:
+        ds = ds.shuffle(cfg.shuffle_buffer, seed=seed + 1)
+    ds = ds.batch(host_rows, drop_remainder=True)
+    options = tf.data.Options()
+    options.deterministic = True
+    ds = ds.with_options(options)
+    if cfg.service_address:
+        ds = ds.apply(tf.data.experimental.service.distribute(
+            processing_mode=tf.data.experimental.service.ShardingPolicy.OFF,
+            service=cfg.service_address,
+            job_name=f"tfpod-host{host_id}-seed{seed}",
+        ))
+    return ds.prefetch(tf.data.AUTOTUNE)
+
+
+def find_corrupt(pattern_files: tuple[str, ...]) -> str | None:
+    """The first file whose records cannot be read, or None (used to name it in errors)."""
+    for f in pattern_files:
+        try:
+            for _ in tf.data.TFRecordDataset(f):
+                pass
+        except tf.errors.DataLossError:
+            return f
+    return None

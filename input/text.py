@@ -1,0 +1,372 @@
+"""Text transforms for tf.data: documents -> token ids -> fixed-shape training rows.
+
+Everything here runs inside the TensorFlow graph (no py_function), keeps element order
+(deterministic), and works on whole blocks of documents at a time rather than on single
+tokens, so one CPU core packs hundreds of thousands of tokens per second.
+
+THE DATA CONTRACT
+=================
+
+Token ids are non-negative (the packers pad document batches with -1 internally).
+Stages and what they yield, per element (shapes exclude the batch dimension that the
+caller adds later with `ds.batch(..., drop_remainder=True)`):
+
+`tokenize(ds, tokenizer, eos_id)`
+  in:  scalar tf.string, one document.
+  out: [None] int32 token ids of that document followed by one `eos_id`. An empty
+       document yields `[eos_id]`.
+
+`pack_concat(ds, seq_len)`: causal LM, no padding, no segments.
+  in:  [None] int32 documents (EOS already appended by `tokenize`).
+  out: {"inputs":  [seq_len] int32,
+        "targets": [seq_len] int32,
+        "weights": [seq_len] float32 (all ones)}
+  All documents are concatenated into one token stream that is cut into consecutive,
+  non-overlapping chunks of seq_len + 1 tokens; for chunk c, inputs = c[:-1] and
+  targets = c[1:]. Attention crosses document boundaries (the EOS token marks them).
+  Chunk i starts at stream token i * (seq_len + 1); the last, partial chunk is dropped.
+  Example, seq_len=3, E=eos: docs [1,2,3,E] [4,5,E] [6,7,8,9,E] -> chunks
+  [1,2,3,E] [4,5,E,6] [7,8,9,E] -> first row inputs [1,2,3], targets [2,3,E].
+
+`pack_segments(ds, seq_len, pad_id)`: causal LM with per-document segments.
+  in:  [None] int32 documents.
+  out: {"inputs":      [seq_len] int32 (pad_id in padding),
+        "targets":     [seq_len] int32 (pad_id in padding),
+        "weights":     [seq_len] float32 (1 real, 0 padding),
+        "segment_ids": [seq_len] int32 (1, 2, ... per document piece in the row; 0 padding),
+        "positions":   [seq_len] int32 (0, 1, ... restarting at every segment; 0 padding)}
+  A document d of n tokens has n - 1 (input, target) pairs (d[t], d[t+1]). A document
+  with more than seq_len pairs is split into pieces of seq_len pairs (the last piece
+  holds the rest); consecutive pieces share one boundary token, so piece j is
+  d[j*seq_len : j*seq_len + seq_len + 1] and every pair of the document is trained
+  exactly once. A piece of L tokens fills L - 1 consecutive slots of a row with inputs
+  piece[:-1], targets piece[1:], one segment id, positions 0..L-2. Pieces go into rows
+  in input order (next-fit): a piece joins the open row if its pairs still fit in the
+  seq_len slots, otherwise the open row is emitted, padded, and the piece starts a new
+  row. Documents of fewer than 2 tokens have no pairs and are dropped. The last row is
+  emitted padded when the input ends. Targets never cross a segment boundary: a model
+  must restrict attention to equal segment_ids and may use `positions` for position
+  embeddings.
+  Example, seq_len=4: docs [1,2,3,4] [5,6] [7,8,9] -> rows
+  inputs [1,2,3,5] targets [2,3,4,6] segment_ids [1,1,1,2] positions [0,1,2,0] weights [1,1,1,1];
+  inputs [7,8,0,0] targets [8,9,0,0] segment_ids [1,1,0,0] positions [0,1,0,0] weights [1,1,0,0].
+
+`mask_for_mlm(ds, seq_len, ...)`: BERT masked LM; names and dtypes of Google's
+  create_pretraining_data.py, as read by tf-models-official's BERT pretraining loader.
+  in:  [None] int32 token ids of one text segment (no special tokens).
+  out: {"input_ids":           [seq_len] int32: [CLS] tokens[:seq_len-2] [SEP], then pad_id,
+                                 with the selected tokens replaced (see below),
+        "input_mask":          [seq_len] int32: 1 for [CLS], tokens and [SEP], 0 padding,
+        "segment_ids":         [seq_len] int32: all 0 (one segment),
+        "masked_lm_positions": [max_predictions] int32: selected positions, ascending, 0 padding,
+        "masked_lm_ids":       [max_predictions] int32: original ids there, pad_id padding,
+        "masked_lm_weights":   [max_predictions] float32: 1 per prediction, 0 padding}
+  Per row, min(max_predictions, ceil(mask_rate * n)) of the n selectable tokens are
+  chosen at random; [CLS], [SEP] and pad_id are never chosen. A chosen token becomes
+  [MASK] with probability 0.8, a uniformly random id in [0, vocab_size) with 0.1, and
+  stays unchanged with 0.1. Randomness is stateless, keyed by (seed, index of the
+  internal batch): the same seed, input order and batch_size give the same masks on
+  every run and with any number of parallel calls. The batch index counts from 0 each
+  time the returned dataset is iterated, so `mask_for_mlm(ds.repeat(), ...)` draws fresh
+  masks every epoch, while `mask_for_mlm(ds, ...).repeat()` replays the same masks.
+"""
+
+from __future__ import annotations
+
+import tensorflow as tf
+import tensorflow_text as tf_text
+
+from tfpod import UserError
+
+_AUTOTUNE = tf.data.AUTOTUNE
+
+
+def _check_positive(**values: int) -> None:
+    for name, value in values.items():
+        if not isinstance(value, int) or value < 1:
+            raise UserError(f"{name}={value!r} must be a positive integer")
+
+
+def load_tokenizer(vocab_path: str) -> tf_text.SentencepieceTokenizer:
+    """Loads a SentencePiece model as an in-graph tokenizer.
+
+    Args:
+      vocab_path: path of the SentencePiece `.model` file (any tf.io.gfile filesystem).
+
+    Returns:
+      A tokenizer producing int32 ids, without BOS/EOS (`tokenize` appends EOS).
+
+    Raises:
+      UserError: the file is missing, empty, unreadable, or not a SentencePiece model.
+    """
+    fix = "run python -m tfpod.input.prepare or set lm_data.vocab_path to a SentencePiece .model file"
+    if not tf.io.gfile.exists(vocab_path):
+        raise UserError(f"SentencePiece vocabulary {vocab_path} does not exist: {fix}")
+    try:
+        with tf.io.gfile.GFile(vocab_path, "rb") as f:
+            model = f.read()
+    except (tf.errors.OpError, OSError) as e:
+        raise UserError(f"SentencePiece vocabulary {vocab_path} cannot be read ({type(e).__name__}): {fix}") from None
+    if not model:
+        raise UserError(f"SentencePiece vocabulary {vocab_path} is empty: {fix}")
+    try:
+        tokenizer = tf_text.SentencepieceTokenizer(model=model, out_type=tf.int32, add_eos=False)
+        tokenizer.tokenize(tf.constant(["a"]))  # forces the model to load and parse
+    except (tf.errors.OpError, ValueError, TypeError) as e:
+        raise UserError(
+            f"SentencePiece vocabulary {vocab_path} is not a SentencePiece model "
+            f"({len(model)} bytes that SentencePiece cannot load: {type(e).__name__}): {fix}"
+        ) from None
+    return tokenizer
+
+
+def tokenize(
+    ds: tf.data.Dataset,
+    tokenizer: tf_text.SentencepieceTokenizer,
+    eos_id: int,
+    batch_size: int = 64,
+    num_parallel_calls: int = _AUTOTUNE,
+) -> tf.data.Dataset:
+    """Tokenizes documents and appends EOS to each, in input order.
+
+    Args:
+      ds: yields scalar tf.string documents.
+      tokenizer: e.g. from `load_tokenizer`.
+      eos_id: id appended to every document.
+      batch_size: documents tokenized per call (the last batch may be smaller).
+      num_parallel_calls: parallel tokenizer calls; output order is kept regardless.
+
+    Returns:
+      Dataset of [None] int32 token ids, one element per document.
+    """
+    _check_positive(batch_size=batch_size)
+
+    def tokenize_batch(docs: tf.Tensor) -> tf.RaggedTensor:
+        ids = tf.cast(tokenizer.tokenize(docs), tf.int32)  # [B, (tokens)]
+        eos = tf.RaggedTensor.from_tensor(tf.fill([tf.shape(docs)[0], 1], tf.constant(eos_id, tf.int32)))
+        return tf.concat([ids, eos], axis=1)  # [B, (tokens + 1)]
+
+    ds = ds.batch(batch_size).map(tokenize_batch, num_parallel_calls=num_parallel_calls, deterministic=True)
+    # Unbatched rows of a ragged batch are plain tensors with a RaggedTensorSpec of ragged_rank 0;
+    # the identity map restates them as TensorSpec([None], tf.int32).
+    return ds.unbatch().map(tf.identity)
+
+
+def _doc_batches(ds: tf.data.Dataset, size: int) -> tf.data.Dataset:
+    """Documents -> [B, longest] int32 batches padded with -1 (read back by `_docs`).
+
+    padded_batch copies documents natively; ragged_batch would run a function per document,
+    which costs more than the packing itself on short documents.
+    """
+    spec = ds.element_spec
+    if isinstance(spec, tf.RaggedTensorSpec) and spec.ragged_rank == 0:
+        ds = ds.map(tf.identity)  # rows of an unbatched RaggedTensor: restate them as plain tensors
+    elif not isinstance(spec, tf.TensorSpec) or spec.shape.rank != 1 or not spec.dtype.is_integer:
+        raise UserError(f"documents must be 1-D integer token id tensors, got element_spec {spec}")
+    docs = ds.map(lambda d: tf.cast(d, tf.int32)) if spec.dtype != tf.int32 else ds
+    return docs.padded_batch(size, padded_shapes=[None], padding_values=-1)
+
+
+def _docs(batch: tf.Tensor) -> tf.RaggedTensor:
+    """[B, longest] batch from `_doc_batches` -> [B, (tokens)] documents (ids are >= 0)."""
+    return tf.RaggedTensor.from_tensor(batch, padding=-1)
+
+
+def pack_concat(ds: tf.data.Dataset, seq_len: int, block_docs: int = 64) -> tf.data.Dataset:
+    """Concatenates documents into one stream and cuts it into causal-LM rows.
+
+    Args:
+      ds: yields [None] int32 documents (EOS appended).
+      seq_len: tokens per row; each row consumes seq_len + 1 stream tokens.
+      block_docs: documents concatenated per step (speed only; the output is the same).
+
+    Returns:
+      Dataset of {"inputs", "targets": [seq_len] int32, "weights": [seq_len] float32};
+      see the module docstring. The final partial chunk is dropped.
+    """
+    _check_positive(seq_len=seq_len, block_docs=block_docs)
+    chunk = seq_len + 1
+
+    def cut(leftover: tf.Tensor, batch: tf.Tensor):
+        stream = tf.concat([leftover, _docs(batch).flat_values], axis=0)  # [n]
+        end = tf.size(stream) // chunk * chunk
+        chunks = tf.reshape(stream[:end], [-1, chunk])  # [n // chunk, seq_len + 1]
+        return stream[end:], chunks
+
+    def to_features(chunks: tf.Tensor) -> dict[str, tf.Tensor]:
+        return {
+            "inputs": chunks[:, :-1],
+            "targets": chunks[:, 1:],
+            "weights": tf.ones(tf.shape(chunks[:, 1:]), tf.float32),
+        }
+
+    chunks = _doc_batches(ds, block_docs).scan(tf.zeros([0], tf.int32), cut)
+    return chunks.map(to_features, num_parallel_calls=_AUTOTUNE, deterministic=True).unbatch()
+
+
+def _max_or_zero(values: tf.Tensor) -> tf.Tensor:
+    """Largest of the non-negative int32 `values`, 0 when there are none."""
+    return tf.reduce_max(tf.concat([[0], values], axis=0))
+
+
+def _next_fit(piece_pairs: tf.Tensor, used: tf.Tensor, segments: tf.Tensor, seq_len: int):
+    """Assigns pieces, in order, to rows of seq_len slots; row 0 is the open row.
+
+    Args:
+      piece_pairs: [P] int32 slots each piece needs (1..seq_len).
+      used: slots already taken in the open row.
+      segments: segments already in the open row.
+      seq_len: slots per row.
+
+    Returns:
+      (row [P] int32, segment id within its row [P] int32).
+    """
+
+    def place(state, pairs):
+        row, used, segment = state
+        new_row = used + pairs > seq_len
+        return (
+            tf.where(new_row, row + 1, row),
+            tf.where(new_row, pairs, used + pairs),
+            tf.where(new_row, 1, segment + 1),
+        )
+
+    rows, _, segment_ids = tf.scan(place, piece_pairs, initializer=(tf.constant(0), used, segments))
+    return rows, segment_ids
+
+
+def pack_segments(ds: tf.data.Dataset, seq_len: int, pad_id: int = 0, block_docs: int = 64) -> tf.data.Dataset:
+    """Packs whole documents into padded rows with segment ids and positions.
+
+    Args:
+      ds: yields [None] int32 documents (EOS appended).
+      seq_len: slots per row.
+      pad_id: inputs and targets in padding slots.
+      block_docs: documents packed per step (speed only; the output is the same).
+
+    Returns:
+      Dataset of {"inputs", "targets", "segment_ids", "positions": [seq_len] int32,
+      "weights": [seq_len] float32}; see the module docstring for the packing rule.
+    """
+    _check_positive(seq_len=seq_len, block_docs=block_docs)
+    fields = ("inputs", "targets", "segment_ids", "positions")
+    end = tf.data.Dataset.from_tensors((tf.zeros([0, 0], tf.int32), True))  # flushes the open row
+    blocks = _doc_batches(ds, block_docs).map(lambda batch: (batch, False)).concatenate(end)
+
+    def pack(open_row: dict[str, tf.Tensor], block):
+        batch, last = block
+        docs = _docs(batch)  # [B, (n)]
+        inputs, targets = docs[:, :-1], docs[:, 1:]  # [B, (n - 1)] pairs
+        pairs = tf.cast(inputs.row_lengths(), tf.int32)  # [B]
+        pair_index = tf.ragged.range(pairs).flat_values  # [pairs] index within its document
+        pieces = (pairs + seq_len - 1) // seq_len  # [B]
+        first_piece = tf.cumsum(pieces, exclusive=True)  # [B]
+        piece = tf.gather(first_piece, inputs.value_rowids()) + pair_index // seq_len  # [pairs]
+        piece_pairs = tf.math.unsorted_segment_sum(tf.ones_like(piece), piece, tf.reduce_sum(pieces))  # [P]
+        piece_row, piece_segment = _next_fit(
+            piece_pairs, tf.size(open_row["inputs"]), _max_or_zero(open_row["segment_ids"]), seq_len
+        )
+        # Slots of the open row first, then this block's, all in row order: [slots].
+        slots = {
+            "inputs": tf.concat([open_row["inputs"], inputs.flat_values], 0),
+            "targets": tf.concat([open_row["targets"], targets.flat_values], 0),
+            "segment_ids": tf.concat([open_row["segment_ids"], tf.gather(piece_segment, piece)], 0),
+            "positions": tf.concat([open_row["positions"], pair_index % seq_len], 0),
+        }
+        row = tf.concat([tf.zeros_like(open_row["inputs"]), tf.gather(piece_row, piece)], 0)
+        num_rows = _max_or_zero(piece_row) + 1  # the last one is still open
+        row_slots = tf.math.bincount(row, minlength=num_rows)  # [num_rows]
+        column = tf.range(tf.size(row)) - tf.gather(tf.cumsum(row_slots, exclusive=True), row)
+        done = num_rows - 1 + tf.cast(last & (row_slots[-1] > 0), tf.int32)
+        emit = row < done
+        index = tf.stack([tf.boolean_mask(row, emit), tf.boolean_mask(column, emit)], axis=1)  # [emitted, 2]
+        shape = tf.stack([done, seq_len])
+
+        def scatter(values: tf.Tensor, pad) -> tf.Tensor:
+            rows = tf.tensor_scatter_nd_update(tf.fill(shape, pad), index, tf.boolean_mask(values, emit))
+            return tf.reshape(rows, [-1, seq_len])  # [done, seq_len]
+
+        out = {k: scatter(slots[k], pad_id if k in ("inputs", "targets") else 0) for k in fields}
+        out["weights"] = scatter(tf.ones(tf.shape(row), tf.float32), 0.0)
+        return {k: tf.boolean_mask(slots[k], ~emit) for k in fields}, out
+
+    initial = {k: tf.zeros([0], tf.int32) for k in fields}
+    return blocks.scan(initial, pack).unbatch()
+
+
+class _SeededMaskValuesChooser(tf_text.MaskValuesChooser):
+    """tf_text's 80/10/10 MaskValuesChooser, drawing from stateless ops with a given seed."""
+
+    def __init__(self, vocab_size: int, mask_token: int, seed: tf.Tensor):
+        super().__init__(vocab_size, mask_token, mask_token_rate=0.8, random_token_rate=0.1)
+        self._seeds = tf.random.experimental.stateless_split(seed, 2)  # [2, 2]
+
+    def get_mask_values(self, masked_lm_ids: tf.RaggedTensor) -> tf.RaggedTensor:
+        ids = masked_lm_ids.flat_values
+        u = tf.random.stateless_uniform(tf.shape(ids), self._seeds[0])
+        random_ids = tf.random.stateless_uniform(tf.shape(ids), self._seeds[1], 0, self.vocab_size, ids.dtype)
+        mask = tf.fill(tf.shape(ids), tf.cast(self.mask_token, ids.dtype))
+        values = tf.where(u < 0.8, mask, tf.where(u < 0.9, random_ids, ids))
+        return masked_lm_ids.with_flat_values(values)
+
+
+def mask_for_mlm(
+    ds: tf.data.Dataset,
+    seq_len: int,
+    vocab_size: int,
+    mask_id: int,
+    cls_id: int,
+    sep_id: int,
+    pad_id: int = 0,
+    max_predictions: int = 20,
+    mask_rate: float = 0.15,
+    seed: int = 0,
+    batch_size: int = 64,
+) -> tf.data.Dataset:
+    """BERT dynamic masking ([CLS] x [SEP], 80% [MASK] / 10% random / 10% kept).
+
+    Args:
+      ds: yields [None] int32 token ids of one segment (no special tokens).
+      seq_len: row length, [CLS] and [SEP] included; longer segments are truncated.
+      vocab_size: random replacements are drawn from [0, vocab_size).
+      mask_id, cls_id, sep_id, pad_id: special token ids.
+      max_predictions: most masked positions per row.
+      mask_rate: fraction of a row's tokens selected for prediction (rounded up).
+      seed: masks are a function of (seed, input order, batch_size) only.
+      batch_size: rows masked per call of the tf_text ops (speed; it keys the randomness).
+
+    Returns:
+      Dataset of the create_pretraining_data.py features; see the module docstring.
+    """
+    _check_positive(seq_len=seq_len, max_predictions=max_predictions, batch_size=batch_size)
+    if seq_len < 3:
+        raise UserError(f"seq_len={seq_len} leaves no room for tokens between [CLS] and [SEP]: use at least 3")
+    if not 0.0 < mask_rate <= 1.0:
+        raise UserError(f"mask_rate={mask_rate} must be in (0, 1]")
+
+    def mask(index: tf.Tensor, batch: tf.Tensor) -> dict[str, tf.Tensor]:
+        body = _docs(batch)[:, : seq_len - 2]  # [B, (n)]
+        ends = tf.ones([body.nrows(), 1], tf.int32)  # [B, 1]
+        rows = tf.concat([ends * cls_id, body, ends * sep_id], axis=1)  # [B, (n + 2)]
+        key = tf.random.experimental.stateless_split(tf.stack([tf.constant(seed, tf.int64), index]), 2)  # [2, 2]
+        order = tf.random.stateless_uniform(tf.shape(rows.flat_values), key[0])  # a sort key per token
+
+        def shuffle(positions: tf.Tensor) -> tf.Tensor:  # positions index rows.flat_values
+            return tf.gather(positions, tf.argsort(tf.gather(order, positions)))
+
+        selector = tf_text.RandomItemSelector(
+            max_predictions, mask_rate, unselectable_ids=[cls_id, sep_id, pad_id], shuffle_fn=shuffle
+        )
+        chooser = _SeededMaskValuesChooser(vocab_size, mask_id, key[1])
+        masked, positions, labels = tf_text.mask_language_model(rows, selector, chooser)
+        return {
+            "input_ids": masked.to_tensor(pad_id, shape=[None, seq_len]),
+            "input_mask": tf.ones_like(rows).to_tensor(0, shape=[None, seq_len]),
+            "segment_ids": tf.zeros([rows.nrows(), seq_len], tf.int32),
+            "masked_lm_positions": tf.cast(positions, tf.int32).to_tensor(0, shape=[None, max_predictions]),
+            "masked_lm_ids": labels.to_tensor(pad_id, shape=[None, max_predictions]),
+            "masked_lm_weights": tf.ones_like(labels, tf.float32).to_tensor(0.0, shape=[None, max_predictions]),
+        }
+
+    batches = _doc_batches(ds, batch_size).enumerate()
+    return batches.map(mask, num_parallel_calls=_AUTOTUNE, deterministic=True).unbatch()

@@ -1,0 +1,169 @@
+"""Host input: per-host file splitting, the prepared corpus, the LM pipeline, resume, bad input."""
+
+import itertools
+import logging
+import os
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from tfpod import UserError
+from tfpod.input import files as files_lib
+from tfpod.input import host_files, pipeline, prepare
+from tfpod.main import run
+
+
+def make_files(d, n):
+    for i in range(n):
+        (d / f"part-{i:03d}.txt").write_text(f"file {i}\n")
+    return str(d / "part-*.txt")
+
+
+@pytest.mark.parametrize("n_files,hosts", [(8, 2), (8, 4), (10, 3), (13, 4), (7, 7), (5, 1)])
+def test_host_files_is_a_balanced_complete_disjoint_deterministic_partition(tmp_path, n_files, hosts):
+    pattern = make_files(tmp_path, n_files)
+    parts = [host_files(pattern, hosts, h, seed=3) for h in range(hosts)]
+    everything = sorted(str(p) for p in tmp_path.glob("part-*.txt"))
+    assert sorted(itertools.chain(*parts)) == everything  # complete and disjoint
+    assert len(set(itertools.chain(*parts))) == n_files
+    sizes = [len(p) for p in parts]
+    assert max(sizes) - min(sizes) <= 1  # balanced
+    assert parts == [host_files(pattern, hosts, h, seed=3) for h in range(hosts)]  # deterministic
+    if hosts > 1:
+        assert parts != [host_files(pattern, hosts, h, seed=4) for h in range(hosts)]  # the seed shuffles
+
+
+def test_fewer_files_than_hosts_falls_back_to_record_sharding(tmp_path, caplog):
+    pattern = make_files(tmp_path, 2)
+    with caplog.at_level(logging.WARNING, logger="tfpod"):
+        shard = files_lib.plan(pattern, 3, 1)
+    assert shard.record_shard and len(shard.files) == 2
+    assert "2 file(s) for 3 hosts" in caplog.text
+
+
+def test_pattern_matching_nothing_is_one_clear_error(tmp_path):
+    with pytest.raises(UserError, match=r"input pattern '.*nothing-\*\.tfrecord' matches no file"):
+        host_files(str(tmp_path / "nothing-*.tfrecord"), 2, 0)
+    with pytest.raises(UserError, match=r"host_id=2 is not in \[0, num_hosts=2\)"):
+        host_files(make_files(tmp_path, 2), 2, 2)
+
+
+@pytest.fixture(scope="module")
+def corpus():
+    return prepare.ensure()
+
+
+def test_prepared_corpus_splits_by_file_and_round_trips(corpus):
+    manifest = prepare.prepare(corpus)  # cached: returns the manifest without rebuilding
+    assert manifest["train_files"] > 1000 and manifest["eval_files"] > 20
+    assert len(tf.io.gfile.glob(prepare.split_paths(corpus, "train"))) == prepare.TRAIN_SHARDS
+    assert len(tf.io.gfile.glob(prepare.split_paths(corpus, "eval"))) == prepare.EVAL_SHARDS
+
+    def paths(split):
+        out = set()
+        for rec in tf.data.TFRecordDataset(tf.io.gfile.glob(prepare.split_paths(corpus, split))):
+            out.add(tf.train.Example.FromString(rec.numpy()).features.feature["path"].bytes_list.value[0].decode())
+        return out
+
+    train, evals = paths("train"), paths("eval")
+    assert not train & evals and all(prepare.is_eval(p) for p in evals)
+    import sentencepiece as spm
+
+    sp = spm.SentencePieceProcessor(model_file=prepare.vocab_path(corpus, 2048))
+    assert sp.vocab_size() == 2048
+    assert [sp.pad_id(), sp.unk_id(), sp.bos_id(), sp.eos_id()] == [0, 1, 2, 3]
+    assert [sp.piece_to_id(p) for p in ("[MASK]", "[CLS]", "[SEP]")] == [4, 5, 6]
+    source = "def f(x):\n\treturn {'a': x ** 2}  # ünïcode\n"
+    assert sp.decode(sp.encode(source)) == source
+
+
+def dataset(corpus, host_rows=4, num_hosts=1, host_id=0, seed=0, **cfg):
+    data = pipeline.LMDataConfig(**cfg)
+    where = pipeline.resolve(data)
+    return pipeline.lm_dataset(data, where.train_files, where.vocab_path, 64, host_rows, num_hosts, host_id, seed, 2048)
+
+
+def first(ds, n=3):
+    return [{k: v.numpy() for k, v in b.items()} for b in ds.take(n)]
+
+
+def test_lm_dataset_contract_and_determinism(corpus):
+    a = first(dataset(corpus))
+    assert set(a[0]) == {"inputs", "targets", "weights"}
+    assert a[0]["inputs"].shape == (4, 64) and a[0]["inputs"].dtype == np.int32
+    np.testing.assert_array_equal(a[0]["inputs"][:, 1:], a[0]["targets"][:, :-1])  # next-token targets
+    assert (a[0]["weights"] == 1).all()
+    b = first(dataset(corpus))
+    for x, y in zip(a, b):  # same seed, same batches
+        for k in x:
+            np.testing.assert_array_equal(x[k], y[k])
+    c = first(dataset(corpus, seed=1))
+    assert any((x["inputs"] != y["inputs"]).any() for x, y in zip(a, c))
+
+
+def test_hosts_read_different_data(corpus):
+    h0 = first(dataset(corpus, num_hosts=2, host_id=0))
+    h1 = first(dataset(corpus, num_hosts=2, host_id=1))
+    assert all((x["inputs"] != y["inputs"]).any() for x, y in zip(h0, h1))
+
+
+def test_segment_packing_feeds_positions_and_segments(corpus):
+    b = first(dataset(corpus, packing="segments"), 1)[0]
+    assert {"segment_ids", "positions"} <= set(b)
+    assert b["segment_ids"].shape == (4, 64)
+
+
+def _small_run(model_dir, steps, extra=()):
+    params = ["train.steps=%d" % steps, "train.global_batch_size=8", "train.steps_per_loop=2", "train.log_every=2",
+              "train.checkpoint_every=2", "optimizer.decay_steps=8", "optimizer.warmup_steps=0",
+              "gpt.num_layers=1", "gpt.embed_dim=64", "gpt.mlp_dim=128", *extra]
+    return run(["gin/lm_tiny.gin"], params, str(model_dir), mesh_spec="data:4,model:2")
+
+
+def test_resumed_run_sees_the_same_batches(tmp_path, corpus):
+    """Stop at step 4 and resume to 8: the losses equal an uninterrupted run's (the batches do too)."""
+    full = _small_run(tmp_path / "full", 8)
+    first_half = _small_run(tmp_path / "split", 4)
+    second_half = _small_run(tmp_path / "split", 8)
+    assert len(second_half["losses"]) == 4
+    assert os.path.exists(tmp_path / "split" / "checkpoints" / "input-host0" / "ckpt-4.index")
+    np.testing.assert_allclose(first_half["losses"] + second_half["losses"], full["losses"], rtol=1e-5)
+    assert full["losses"][-1] < full["losses"][0]
+
+
+def test_bad_input_is_one_clear_line(tmp_path, corpus):
+    vocab = prepare.vocab_path(corpus, 2048)
+    empty = tmp_path / "empty.tfrecord"
+    empty.write_bytes(b"")
+    with pytest.raises(UserError, match=f"input file {empty} is empty"):
+        _small_run(tmp_path / "a", 2, [f"lm_data.train_files='{empty}'", f"lm_data.vocab_path='{vocab}'"])
+
+    good = sorted(tf.io.gfile.glob(prepare.split_paths(corpus, "eval")))[0]
+    corrupt = tmp_path / "corrupt.tfrecord"
+    raw = open(good, "rb").read()
+    corrupt.write_bytes(raw[:40] + bytes(200) + raw[240:])
+    with pytest.raises(UserError) as e:
+        _small_run(tmp_path / "b", 2, [f"lm_data.train_files='{corrupt}'", f"lm_data.vocab_path='{vocab}'"])
+    assert f"file {corrupt} is corrupt" in str(e.value) and "lm_data.skip_corrupt=True" in str(e.value)
+    assert "\n" not in str(e.value)
+
+    both = f"{corrupt},{good}"
+    out = _small_run(tmp_path / "c", 2, [f"lm_data.train_files='{both}'", f"lm_data.vocab_path='{vocab}'",
+                                         "lm_data.skip_corrupt=True"])
+    assert np.all(np.isfinite(out["losses"]))
+
+    with pytest.raises(UserError, match="vocabulary"):
+        _small_run(tmp_path / "d", 2, [f"lm_data.vocab_path='{tmp_path / 'missing.model'}'"])
+
+
+def test_trains_through_the_tf_data_service(tmp_path, corpus):
+    """A dispatcher and a worker on loopback, in process; the host's pipeline runs on the worker."""
+    dispatcher = tf.data.experimental.service.DispatchServer()
+    address = dispatcher.target.split("://")[1]
+    worker = tf.data.experimental.service.WorkerServer(
+        tf.data.experimental.service.WorkerConfig(dispatcher_address=address)
+    )
+    out = _small_run(tmp_path, 4, [f"lm_data.service_address='{dispatcher.target}'"])
+    assert len(out["losses"]) == 4 and np.all(np.isfinite(out["losses"]))
+    del worker
