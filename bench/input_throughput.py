@@ -1,6 +1,6 @@
 """Input pipeline throughput against the training step's consumption.
 
-    python bench/input_throughput.py [--batches=200] [--skip_gpt_small]
+    python bench/input_throughput.py [--seconds=8] [--skip_gpt_small]
 
 Measures, on this machine, in one run:
   1. one host's LM pipeline alone (stdlib corpus, SentencePiece in the graph, packing),
@@ -29,8 +29,13 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 
-def pipeline_rate(num_hosts: int, host_id: int, batches: int, host_rows: int, seq_len: int, vocab_size: int) -> dict:
-    """Tokens/s and examples/s of one host's pipeline (this process)."""
+def pipeline_rate(num_hosts: int, host_id: int, seconds: float, host_rows: int, seq_len: int, vocab_size: int) -> dict:
+    """Tokens/s and examples/s of one host's pipeline (this process), in steady state.
+
+    Pulls batches for a 3 s warm-up (buffers fill, the tokenizer loads), then counts the
+    batches pulled in the next `seconds`: long enough that what the prefetch and shuffle
+    buffers held at the start is a small part of the count.
+    """
     import tfpod  # noqa: F401
     from tfpod.input import pipeline
 
@@ -38,13 +43,16 @@ def pipeline_rate(num_hosts: int, host_id: int, batches: int, host_rows: int, se
     where = pipeline.resolve(data)
     ds = pipeline.lm_dataset(data, where.train_files, where.vocab_path, seq_len, host_rows, num_hosts, host_id, 0)
     it = iter(ds)
-    for _ in range(max(5, batches // 10)):  # warm-up: fill buffers, first tokenizer calls
+    end = time.perf_counter() + 3.0
+    while time.perf_counter() < end:
         next(it)
-    t = time.perf_counter()
-    for _ in range(batches):
+    batches, t = 0, time.perf_counter()
+    while time.perf_counter() - t < seconds:
         next(it)
+        batches += 1
     dt = time.perf_counter() - t
-    return {"tokens_per_sec": batches * host_rows * seq_len / dt, "examples_per_sec": batches * host_rows / dt}
+    return {"tokens_per_sec": batches * host_rows * seq_len / dt, "examples_per_sec": batches * host_rows / dt,
+            "batches": batches}
 
 
 def step_rate(gin_file: str, mesh: str, cpu_devices: int, params: list[str], steps: int) -> float:
@@ -70,7 +78,7 @@ def spawn_hosts(num_hosts: int, args) -> list[dict]:
     procs = []
     for h in range(num_hosts):
         cmd = ["taskset", "-c", str(h % cores), sys.executable, os.path.abspath(__file__), "--worker",
-               f"--num_hosts={num_hosts}", f"--host_id={h}", f"--batches={args.batches}",
+               f"--num_hosts={num_hosts}", f"--host_id={h}", f"--seconds={args.seconds}",
                f"--host_rows={args.host_rows}", f"--seq_len={args.seq_len}", f"--vocab_size={args.vocab_size}"]
         procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
     out = []
@@ -87,14 +95,14 @@ def main() -> None:
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--num_hosts", type=int, default=1)
     parser.add_argument("--host_id", type=int, default=0)
-    parser.add_argument("--batches", type=int, default=200)
+    parser.add_argument("--seconds", type=float, default=8.0, help="measuring window per pipeline")
     parser.add_argument("--host_rows", type=int, default=16)
     parser.add_argument("--seq_len", type=int, default=64)
     parser.add_argument("--vocab_size", type=int, default=2048)
     parser.add_argument("--skip_gpt_small", action="store_true")
     args = parser.parse_args()
     if args.worker:
-        print(json.dumps(pipeline_rate(args.num_hosts, args.host_id, args.batches, args.host_rows, args.seq_len,
+        print(json.dumps(pipeline_rate(args.num_hosts, args.host_id, args.seconds, args.host_rows, args.seq_len,
                                        args.vocab_size)))
         return
 
