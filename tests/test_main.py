@@ -20,7 +20,7 @@ def main_py(*args, timeout=600):
 def test_default_job_trains_checkpoints_and_resumes(tmp_path):
     d = tmp_path / "lm_tiny"
     base = ["--gin_file=gin/lm_tiny.gin", "--cpu_devices=8", "--mesh=data:4,model:2", f"--model_dir={d}",
-            "--gin_param=train.checkpoint_every=10"]
+            "--gin_param=train.checkpoint_every=10", "--gin_param=train.log_every=10"]
     first = main_py(*base, "--gin_param=train.steps=30")
     assert first.returncode == 0, first.stderr[-3000:]
     log = first.stderr

@@ -34,7 +34,7 @@ def train(model_dir, mesh, steps=4, preset="tensor", model=None, opt=None, **tra
 SMALL_PARAMS = [f"gpt.{k}={v}" for k, v in SMALL.items()] + [
     "train.steps=4", "train.global_batch_size=16", "train.steps_per_loop=2", "train.log_every=1", "train.seed=1",
     "train.checkpoint_every=100", "optimizer.learning_rate=0.01", "optimizer.warmup_steps=0",
-    "optimizer.decay_steps=8", "sharding.preset='tensor'",
+    "optimizer.decay_steps=8", "sharding.preset='tensor'", "train.synthetic_data=True",
 ]
 
 
