@@ -5,10 +5,13 @@ causal attention mask; the token embedding is Model Garden's `OnDeviceEmbedding`
 one-hot mode (a matmul, so a vocab-sharded table needs no scatter and its gradient is
 dense), and the output layer is tied to it (vocab-parallel logits under `tensor`).
 
-Batch contract (see tfpod.input for the pipeline that produces it):
-  inputs   int32 [batch, length]  token ids fed to the model
-  targets  int32 [batch, length]  next-token ids (inputs shifted by one)
-  weights  float32 [batch, length]  1 for real target tokens, 0 for padding
+Batch contract (see tfpod.input.text for the pipeline that produces it):
+  inputs       int32 [batch, length]  token ids fed to the model
+  targets      int32 [batch, length]  next-token ids (inputs shifted by one)
+  weights      float32 [batch, length]  1 for real target tokens, 0 for padding
+  segment_ids  int32 [batch, length]  optional (segment packing): a token attends only
+               to earlier tokens of its own segment; 0 is padding
+  positions    int32 [batch, length]  optional: position of each token in its segment
 """
 
 from __future__ import annotations
@@ -113,12 +116,18 @@ class GPT(tf_keras.Model):
         )
 
     def call(self, inputs, training=None):
-        ids = inputs["inputs"] if isinstance(inputs, dict) else inputs
+        features = inputs if isinstance(inputs, dict) else {"inputs": inputs}
+        ids = features["inputs"]
         x = self.token_embedding(ids)  # [batch, length, embed]
-        x = x + self.position_embedding(x)
+        in_order = self.position_embedding(x)  # positions 0..length-1 (also builds the table)
+        if "positions" in features:  # per-segment positions, as a one-hot matmul (no gather)
+            table = tf.cast(self.position_embedding._position_embeddings, x.dtype)  # [max_length, embed]
+            x = x + tf.einsum("blp,pe->ble", tf.one_hot(features["positions"], self.config.seq_len, dtype=x.dtype), table)
+        else:
+            x = x + in_order
         x = self.embedding_dropout(x, training=training)
         x = shard(x, ACTIVATION_AXES)
-        mask = causal_mask(ids)  # [batch, length, length]
+        mask = causal_mask(ids, features.get("segment_ids"))  # [batch, length, length]
         for block in self.blocks:
             x = block([x, mask], training=training)
             x = shard(x, ACTIVATION_AXES)
@@ -128,11 +137,15 @@ class GPT(tf_keras.Model):
         return tf.cast(logits, tf.float32)
 
 
-def causal_mask(ids: tf.Tensor) -> tf.Tensor:
-    """[batch, length, length] with 1 where query position i may attend key j <= i."""
+def causal_mask(ids: tf.Tensor, segment_ids: tf.Tensor | None = None) -> tf.Tensor:
+    """[batch, length, length]: 1 where query i may attend key j (j <= i, same segment)."""
     length = tf.shape(ids)[1]
     lower = tf.linalg.band_part(tf.ones([length, length], tf.float32), -1, 0)  # [length, length]
-    return tf.ones_like(ids, tf.float32)[:, :, None] * lower[None, :, :]
+    mask = tf.ones_like(ids, tf.float32)[:, :, None] * lower[None, :, :]
+    if segment_ids is not None:
+        same = tf.cast(tf.equal(segment_ids[:, :, None], segment_ids[:, None, :]), tf.float32)
+        mask *= same  # [batch, length, length]
+    return mask
 
 
 Config = GPTConfig
@@ -155,9 +168,12 @@ def batch_signature(config: GPTConfig, batch_size: int) -> dict:
     }
 
 
+MODEL_FEATURES = ("inputs", "segment_ids", "positions")
+
+
 def batch_axes() -> dict:
     """Logical axes of each batch feature (the input feed shards `batch`)."""
-    return {"inputs": ("batch", "length"), "targets": ("batch", "length"), "weights": ("batch", "length")}
+    return {k: ("batch", "length") for k in ("inputs", "targets", "weights", "segment_ids", "positions")}
 
 
 def synthetic_batch(config: GPTConfig, batch_size: int, rng: np.random.Generator) -> dict:
@@ -187,7 +203,7 @@ def loss_and_metrics(model: GPT, batch: dict, training: bool):
     Returns:
       (loss, {"loss_sum", "weight_sum"}) as float32 scalars.
     """
-    logits = model(batch["inputs"], training=training)  # [batch, length, vocab]
+    logits = model({k: batch[k] for k in MODEL_FEATURES if k in batch}, training=training)  # [batch, length, vocab]
     vocab = logits.shape[-1]
     log_z = tf.reduce_logsumexp(logits, axis=-1)  # [batch, length]
     target_logit = tf.reduce_sum(logits * tf.one_hot(batch["targets"], vocab, dtype=logits.dtype), axis=-1)

@@ -108,6 +108,11 @@ def test_hosts_read_different_data(corpus):
     assert all((x["inputs"] != y["inputs"]).any() for x, y in zip(h0, h1))
 
 
+def test_segment_packing_trains(tmp_path, corpus):
+    out = _small_run(tmp_path, 2, ["lm_data.packing='segments'"])
+    assert np.all(np.isfinite(out["losses"]))
+
+
 def test_segment_packing_feeds_positions_and_segments(corpus):
     b = first(dataset(corpus, packing="segments"), 1)[0]
     assert {"segment_ids", "positions"} <= set(b)

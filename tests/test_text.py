@@ -353,3 +353,27 @@ def test_mask_for_mlm_rejects_bad_arguments():
         mlm([[5]], mask_rate=0.0)
     with pytest.raises(UserError, match="max_predictions=0 must be a positive integer"):
         mlm([[5]], max_predictions=0)
+
+
+def test_gpt_attends_only_within_segments_and_restarts_positions():
+    """The LM honours segment packing: a segment's logits ignore other segments' tokens."""
+    import tf_keras
+
+    from tfpod.models import gpt
+
+    tf_keras.utils.set_random_seed(0)
+    cfg = gpt.GPTConfig(vocab_size=32, seq_len=8, num_layers=2, embed_dim=16, num_heads=4, mlp_dim=32)
+    model = gpt.build(cfg)
+    seg = tf.constant([[1, 1, 1, 2, 2, 2, 0, 0]])
+    pos = tf.constant([[0, 1, 2, 0, 1, 2, 0, 0]])
+    a = tf.constant([[5, 6, 7, 9, 10, 11, 0, 0]])
+    b = tf.constant([[20, 21, 22, 9, 10, 11, 0, 0]])  # segment 1 changed
+    la = model({"inputs": a, "segment_ids": seg, "positions": pos}).numpy()
+    lb = model({"inputs": b, "segment_ids": seg, "positions": pos}).numpy()
+    np.testing.assert_allclose(la[0, 3:6], lb[0, 3:6], rtol=1e-5, atol=1e-6)  # segment 2 unaffected
+    assert np.abs(la[0, :3] - lb[0, :3]).max() > 1e-3
+    alone = model({"inputs": tf.constant([[9, 10, 11, 0, 0, 0, 0, 0]]), "segment_ids": tf.constant([[1, 1, 1, 0, 0, 0, 0, 0]]),
+                   "positions": tf.constant([[0, 1, 2, 0, 0, 0, 0, 0]])}).numpy()
+    np.testing.assert_allclose(la[0, 3:6], alone[0, 0:3], rtol=1e-5, atol=1e-6)  # positions restart per segment
+    plain = model(a).numpy()  # without segments the second document sees the first
+    assert np.abs(plain[0, 3:6] - la[0, 3:6]).max() > 1e-3
