@@ -25,5 +25,5 @@ setup(
         "numpy>=1.26",
     ],
     extras_require={"test": ["pytest>=8"]},
-    entry_points={"console_scripts": ["tfpod=tfpod.main:console_main"]},
+    entry_points={"console_scripts": ["tfpod=tfpod.main:console_main", "tfpod-launch=tfpod.launch:console_main"]},
 )

@@ -176,6 +176,8 @@ def lm_dataset(
     """
     shard = files_lib.plan(pattern, num_hosts, host_id, seed)
     _check_files(shard.files)
+    log.info("input: host %d of %d reads %d file(s): %s", host_id, num_hosts, len(shard.files),
+             ",".join(os.path.basename(f) for f in shard.files))
     tokenizer = text.load_tokenizer(vocab_path)
     vocab = int(tokenizer.vocab_size())
     if model_vocab_size is not None and vocab > model_vocab_size:

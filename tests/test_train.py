@@ -79,6 +79,20 @@ def test_resume_continues_exactly(tmp_path):
     assert again["losses"] == [] and again["step"] == 8  # nothing left to train
 
 
+def test_resume_skips_an_incomplete_checkpoint(tmp_path, caplog):
+    """A checkpoint whose data a dying host never finished is skipped for the one before it."""
+    import logging
+
+    mesh = make_mesh("data:8")
+    train(tmp_path, mesh, steps=4, checkpoint_every=2)
+    for f in os.listdir(tmp_path / "checkpoints"):
+        if f.startswith("ckpt-4.data"):
+            os.remove(tmp_path / "checkpoints" / f)
+    with caplog.at_level(logging.WARNING, logger="tfpod"):
+        trainer, out = train(tmp_path, mesh, steps=4, checkpoint_every=2)
+    assert "ckpt-4 is incomplete" in caplog.text and len(out["losses"]) == 2  # resumed at step 2
+
+
 def test_checkpoint_cadence_keeps_last_n(tmp_path):
     train(tmp_path, make_mesh("data:8"), steps=8, checkpoint_every=2, keep_checkpoints=2)
     names = sorted(f for f in os.listdir(tmp_path / "checkpoints") if f.endswith(".index"))

@@ -33,11 +33,32 @@ class CheckpointManager:
     def latest(self) -> str | None:
         return self._manager.latest_checkpoint
 
+    def complete_steps(self) -> list[int]:
+        """Steps of the checkpoints whose index and every data shard are on disk, ascending.
+
+        A host that dies while saving leaves a checkpoint that the manager's bookkeeping
+        may already name but whose files are partial; such a one is skipped.
+        """
+        steps = []
+        for index in tf.io.gfile.glob(os.path.join(self.directory, "ckpt-*.index")):
+            prefix = index[: -len(".index")]
+            data = tf.io.gfile.glob(prefix + ".data-*-of-*")
+            if data and len(data) == int(data[0].rsplit("-of-", 1)[1]):
+                steps.append(int(prefix.rsplit("-", 1)[1]))
+        return sorted(steps)
+
     def restore_latest(self) -> int | None:
-        """Restores the newest checkpoint if there is one; returns its step or None."""
-        path = self._manager.latest_checkpoint
-        if not path:
+        """Restores the newest complete checkpoint if there is one; returns its step or None."""
+        steps = self.complete_steps()
+        if not steps:
+            if self._manager.latest_checkpoint:
+                log.warning("checkpoint %s is incomplete and no complete one exists: starting from scratch",
+                            self._manager.latest_checkpoint)
             return None
+        path = os.path.join(self.directory, f"ckpt-{steps[-1]}")
+        if self._manager.latest_checkpoint and self._manager.latest_checkpoint != path:
+            log.warning("newest checkpoint %s is incomplete (a host stopped while saving): resuming from %s",
+                        self._manager.latest_checkpoint, path)
         try:
             self._ckpt.restore(path).assert_existing_objects_matched()
         except (AssertionError, ValueError, tf.errors.OpError) as e:

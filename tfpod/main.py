@@ -36,6 +36,9 @@ flags.DEFINE_enum("mode", "train", MODES, "what to do")
 flags.DEFINE_string("mesh", None, "mesh spec, e.g. data:-1,model:2 (default: experiment.mesh)")
 flags.DEFINE_integer("cpu_devices", None, "split the host CPU into this many logical devices")
 flags.DEFINE_string("device_type", None, "TPU, GPU or CPU (default: auto-detect, in that order)")
+flags.DEFINE_integer("num_hosts", None, "hosts in a multi-host job (default: $DTENSOR_NUM_CLIENTS, else 1)")
+flags.DEFINE_integer("host_id", None, "this host's index (default: $DTENSOR_CLIENT_ID)")
+flags.DEFINE_string("host_addresses", None, "host:port of every host, comma-separated, in host order ($DTENSOR_JOBS)")
 
 
 @dataclasses.dataclass
@@ -215,6 +218,9 @@ def main(argv) -> None:
         sys.exit(2)
     setup_logging(verbose=FLAGS.verbosity >= 1)
     try:
+        from tfpod import runtime
+
+        runtime.configure_hosts(FLAGS.num_hosts, FLAGS.host_id, FLAGS.host_addresses)
         run(FLAGS.gin_file, FLAGS.gin_param, FLAGS.model_dir, FLAGS.mode, FLAGS.mesh, FLAGS.cpu_devices, FLAGS.device_type)
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)

@@ -51,12 +51,41 @@ def detect_device_type() -> str:
     return "CPU"
 
 
+def configure_hosts(num_hosts: int | None, host_id: int | None, host_addresses: str | None) -> None:
+    """Sets the standard DTensor multi-client environment from flags (flags win over env).
+
+    Args:
+      num_hosts: DTENSOR_NUM_CLIENTS.
+      host_id: DTENSOR_CLIENT_ID.
+      host_addresses: DTENSOR_JOBS, comma-separated host:port of every host, in host order.
+    """
+    if num_hosts is None and host_id is None and host_addresses is None:
+        return
+    if num_hosts is None or host_id is None or host_addresses is None:
+        raise UserError("multi-host flags go together: give --num_hosts, --host_id and --host_addresses (or none)")
+    addresses = [a for a in host_addresses.split(",") if a]
+    if len(addresses) != num_hosts or not 0 <= host_id < num_hosts:
+        raise UserError(
+            f"--host_addresses lists {len(addresses)} address(es) for --num_hosts={num_hosts} and --host_id={host_id}: "
+            "give one host:port per host, and a host id in [0, num_hosts)"
+        )
+    os.environ.update({
+        "DTENSOR_NUM_CLIENTS": str(num_hosts), "DTENSOR_CLIENT_ID": str(host_id),
+        "DTENSOR_JOBS": ",".join(addresses), "DTENSOR_JOB_NAME": os.environ.get("DTENSOR_JOB_NAME", "worker"),
+    })
+
+
 def initialize(cpu_devices: int | None = None, device_type: str | None = None) -> RuntimeInfo:
     """Starts the DTensor accelerator system once for this process.
 
+    With DTENSOR_NUM_CLIENTS > 1 (set by tfpod.launch, a cluster manager, or
+    `configure_hosts`) this process is one client of a multi-host job: the accelerator
+    system connects to the other hosts over TensorFlow's gRPC runtime (NCCL collectives
+    on GPUs, the TPU system on TPUs) with its coordination service watching them.
+
     Args:
-      cpu_devices: split the host CPU into this many logical devices (CPU only;
-        None keeps one device per physical CPU device).
+      cpu_devices: split the host CPU into this many logical devices (CPU only; None:
+        $TFPOD_CPU_DEVICES if set, else one device per physical CPU device).
       device_type: "TPU", "GPU" or "CPU"; None auto-detects (TPU, then GPU, then CPU).
 
     Returns:
@@ -66,6 +95,8 @@ def initialize(cpu_devices: int | None = None, device_type: str | None = None) -
       UserError: bad arguments, or a second call with different settings.
     """
     global _INFO
+    if cpu_devices is None and os.environ.get("TFPOD_CPU_DEVICES"):
+        cpu_devices = int(os.environ["TFPOD_CPU_DEVICES"])
     device_type = (device_type or detect_device_type()).upper()
     if device_type not in DEVICE_TYPES:
         raise UserError(
@@ -90,6 +121,7 @@ def initialize(cpu_devices: int | None = None, device_type: str | None = None) -
                 physical[0], [tf.config.LogicalDeviceConfiguration()] * cpu_devices
             )
     if device_type == "GPU":
+        os.environ.setdefault("DTENSOR_GPU_USE_NCCL_COMMUNICATION", "1")  # NCCL collectives across GPUs
         for gpu in tf.config.list_physical_devices("GPU"):
             tf.config.experimental.set_memory_growth(gpu, True)
     kwargs = {}
@@ -115,11 +147,36 @@ def initialize(cpu_devices: int | None = None, device_type: str | None = None) -
     return _INFO
 
 
+LOST_HOST_ERRORS = (
+    tf.errors.UnavailableError, tf.errors.AbortedError, tf.errors.CancelledError,
+    tf.errors.DeadlineExceededError, tf.errors.InternalError,
+)
+
+
+def lost_host_message(error: BaseException, checkpoint: str | None) -> str | None:
+    """One line for a collective that failed because another host went away, else None.
+
+    In a multi-host job the collective of a step fails within seconds when a peer's
+    connection drops (the coordination service also times out silent peers); the
+    error names the peer's task, which is its host id.
+    """
+    if info().num_clients < 2:
+        return None
+    import re
+
+    text = re.sub(r"\{\{function_node [^}]*\}\}\s*", "", str(error))
+    tasks = sorted({int(t) for t in re.findall(r"/task:(\d+)", text)} - {info().client_id})
+    cause = " ".join(text.strip().splitlines()[0].split())[:200] if text.strip() else type(error).__name__
+    who = f"host {tasks[0]}" if tasks else "another host"
+    return (
+        f"lost {who} of {info().num_clients} ({cause}): host {info().client_id} stops too; the last complete "
+        f"checkpoint ({checkpoint or 'none yet'}) is intact: relaunch the same command on every host to resume"
+    )
+
+
 def info() -> RuntimeInfo:
     """The RuntimeInfo of the started system; starts a default one if none runs."""
-    return _INFO if _INFO is not None else initialize(
-        cpu_devices=int(os.environ["TFPOD_CPU_DEVICES"]) if os.environ.get("TFPOD_CPU_DEVICES") else None
-    )
+    return _INFO if _INFO is not None else initialize()
 
 
 def is_chief() -> bool:

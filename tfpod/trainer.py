@@ -148,6 +148,8 @@ class Trainer:
 
         batch_axis = feed._batch_mesh_axis(task.batch_axes()["inputs"], self.table, mesh)
         self.host_rows = feed.host_rows(train.global_batch_size, mesh, batch_axis)
+        self._local_shards = feed.local_shards(mesh, batch_axis)
+        self._shard_rows = train.global_batch_size // (mesh.dim_size(batch_axis) if batch_axis else 1)
         self.seq_len = getattr(model_config, "seq_len", None)
         log.info("%s", meshlib.describe(mesh, train.global_batch_size, self.seq_len, batch_axis or "data"))
 
@@ -187,11 +189,18 @@ class Trainer:
     # -- data ---------------------------------------------------------------
 
     def synthetic_batches(self, start_step: int) -> Iterator[dict]:
-        """Synthetic host batches; batch s depends only on (seed, s, host), so resume is exact."""
+        """This host's rows of synthetic global batches.
+
+        Global batch s depends only on (seed, s), so it is the same for any number of
+        hosts and devices, and a resumed run continues exactly; each host keeps the rows
+        of its own batch shards.
+        """
         step = start_step
+        rows = np.concatenate([np.arange(i * self._shard_rows, (i + 1) * self._shard_rows) for i in self._local_shards])
         while True:
-            rng = np.random.default_rng([self.cfg.seed, step, self.info.client_id])
-            yield self.task.synthetic_batch(self.model_config, self.host_rows, rng)
+            rng = np.random.default_rng([self.cfg.seed, step])
+            batch = self.task.synthetic_batch(self.model_config, self.cfg.global_batch_size, rng)
+            yield {k: v[rows] for k, v in batch.items()}
             step += 1
 
     def _stack(self, batches: list[dict]) -> dict:
@@ -278,9 +287,15 @@ class Trainer:
                 n = self._next_boundary(step) - step
                 stacked = self._stack([next(batches) for _ in range(n)])
                 t_call = time.time()
-                losses, norms = self._train_loop(stacked, tf.constant(n, tf.int32))
-                losses = _gather_scalar(losses)[:n]
-                norms = _gather_scalar(norms)[:n]
+                try:
+                    losses, norms = self._train_loop(stacked, tf.constant(n, tf.int32))
+                    losses = _gather_scalar(losses)[:n]
+                    norms = _gather_scalar(norms)[:n]
+                except runtime.LOST_HOST_ERRORS as e:
+                    message = runtime.lost_host_message(e, self.checkpoints.latest)
+                    if message is None:
+                        raise
+                    raise UserError(message) from None
                 dt = time.time() - t_call
                 if not first_call:
                     rate = dt / n if rate is None else 0.7 * rate + 0.3 * dt / n

@@ -1,0 +1,118 @@
+"""Multi-host runs: 2 hosts x 4 logical CPU devices as real local processes via tfpod.launch."""
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SMALL = ["gpt.num_layers=1", "gpt.embed_dim=64", "gpt.mlp_dim=128", "train.global_batch_size=16",
+         "train.steps_per_loop=2", "train.log_every=1", "optimizer.decay_steps=8", "optimizer.warmup_steps=0"]
+
+
+def main_args(model_dir, steps, extra=()):
+    args = ["--gin_file=gin/lm_tiny.gin", "--mesh=data:4,model:2", f"--model_dir={model_dir}"]
+    return args + [f"--gin_param={p}" for p in SMALL + [f"train.steps={steps}", *extra]]
+
+
+def launch(model_dir, steps, extra=(), timeout=600):
+    cmd = [sys.executable, "-m", "tfpod.launch", "--num_hosts=2", "--devices_per_host=4", "--",
+           sys.executable, "main.py", *main_args(model_dir, steps, extra)]
+    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+
+
+def errors(proc):
+    """The lines that say what went wrong, for assertion messages."""
+    lines = (proc.stdout + proc.stderr).splitlines()
+    return "\n".join([l for l in lines if "error" in l.lower() or "Error" in l][-8:] + lines[-5:])
+
+
+def losses(model_dir):
+    return [json.loads(l)["loss"] for l in open(os.path.join(model_dir, "metrics.jsonl"))]
+
+
+def test_two_hosts_match_one_process_and_only_host0_writes(tmp_path):
+    one = subprocess.run([sys.executable, "main.py", "--cpu_devices=8",
+                          *main_args(tmp_path / "one", 4, ["train.synthetic_data=True"])],
+                         cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert one.returncode == 0, one.stderr[-2000:]
+    two = launch(tmp_path / "two", 4, ["train.synthetic_data=True"])
+    assert two.returncode == 0, errors(two)
+    np.testing.assert_allclose(losses(tmp_path / "two"), losses(tmp_path / "one"), rtol=1e-5)
+    out = two.stdout
+    assert "[host 0]" in out and "[host 1]" in out
+    assert re.search(r"\[host 1\] .*step 4/4 \| loss", out)  # every host logs its progress
+    assert "host 1 of 2" in out
+    # One metrics.jsonl line per step: only host 0 writes metrics, config and summaries.
+    assert len(losses(tmp_path / "two")) == 4
+    assert len(os.listdir(tmp_path / "two" / "train")) == 1
+
+
+def test_hosts_read_disjoint_files_and_a_killed_host_stops_the_job_and_the_rerun_resumes(tmp_path):
+    d = tmp_path / "run"
+    cmd = [sys.executable, "-m", "tfpod.launch", "--num_hosts=2", "--devices_per_host=4", "--",
+           sys.executable, "main.py", *main_args(d, 400, ["train.checkpoint_every=4"])]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    # Wait for a complete checkpoint, then kill host 1 (the process whose env says client 1).
+    deadline = time.time() + 300
+    while time.time() < deadline and not os.path.exists(d / "checkpoints" / "ckpt-8.index"):
+        time.sleep(0.5)
+    assert os.path.exists(d / "checkpoints" / "ckpt-8.index"), "no checkpoint in time"
+    victim = None
+    for pid in os.listdir("/proc"):
+        if pid.isdigit():
+            try:
+                env = open(f"/proc/{pid}/environ", "rb").read().split(b"\0")
+                cmdline = open(f"/proc/{pid}/cmdline", "rb").read()
+            except OSError:
+                continue
+            if b"DTENSOR_CLIENT_ID=1" in env and str(d).encode() in cmdline:
+                victim = int(pid)
+    assert victim
+    killed_at = time.time()
+    os.kill(victim, signal.SIGKILL)
+    stdout, stderr = proc.communicate(timeout=120)
+    assert time.time() - killed_at < 60
+    assert proc.returncode != 0
+    assert "error: host 1 was killed by SIGKILL" in stderr.strip().splitlines()[-1]
+
+    files = {h: set(re.search(rf"\[host {h}\] .*input: host {h} of 2 reads \d+ file\(s\): (\S+)", stdout).group(1).split(","))
+             for h in (0, 1)}
+    assert files[0] and files[1] and not files[0] & files[1]
+    assert len(files[0] | files[1]) == 32  # together the hosts read every train shard
+
+    saved = sorted(int(f[5:-6]) for f in os.listdir(d / "checkpoints") if f.startswith("ckpt-") and f.endswith(".index"))
+    rerun = launch(d, saved[-1] + 4, ["train.checkpoint_every=4"])
+    assert rerun.returncode == 0, errors(rerun)
+    assert f"at step {saved[-1]}" in rerun.stdout and "input resumed" in rerun.stdout
+
+
+def test_without_a_launcher_the_survivor_names_the_lost_host(tmp_path):
+    """On a cluster no launcher stops the others: a peer's failed collective ends the survivor."""
+    from tfpod.launch import free_ports, host_env
+
+    ports = free_ports(2)
+    cmd = [sys.executable, "main.py", *main_args(tmp_path, 2000, ["train.synthetic_data=True", "train.log_every=2"])]
+    logs = [open(tmp_path / f"host{h}.log", "w+") for h in range(2)]
+    procs = [subprocess.Popen(cmd, cwd=ROOT, env=host_env(h, 2, ports, 4), stdout=logs[h], stderr=subprocess.STDOUT)
+             for h in range(2)]
+    try:
+        deadline = time.time() + 300
+        while time.time() < deadline and "step 4/2000" not in open(tmp_path / "host0.log").read():
+            time.sleep(0.5)
+        procs[1].kill()
+        killed_at = time.time()
+        assert procs[0].wait(timeout=60) == 1
+        assert time.time() - killed_at < 60
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    last = open(tmp_path / "host0.log").read().strip().splitlines()[-1]
+    assert last.startswith("error: lost host 1 of 2 (") and "relaunch the same command on every host" in last

@@ -1,0 +1,136 @@
+"""Local multi-host launcher: H processes on loopback, each a DTensor client.
+
+    python -m tfpod.launch --num_hosts=2 --devices_per_host=4 -- python main.py --gin_file=... --model_dir=D
+
+Starts one process per host with free loopback ports and the standard DTensor
+environment (DTENSOR_CLIENT_ID, DTENSOR_NUM_CLIENTS, DTENSOR_JOB_NAME, DTENSOR_JOBS)
+plus TFPOD_CPU_DEVICES (logical CPU devices per host). Every output line is prefixed
+with `[host h]`. When any host exits non-zero, the others are stopped and the launcher
+exits non-zero with one line naming that host. On a real cluster run the same command
+once per host with the same DTENSOR_* variables (see README).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+
+def free_ports(n: int) -> list[int]:
+    """n distinct free TCP ports on loopback."""
+    socks, ports = [], []
+    for _ in range(n):
+        s = socket.socket()
+        s.bind(("localhost", 0))
+        socks.append(s)
+        ports.append(s.getsockname()[1])
+    for s in socks:
+        s.close()
+    return ports
+
+
+def host_env(host_id: int, num_hosts: int, ports: list[int], devices_per_host: int) -> dict:
+    env = dict(os.environ)
+    env.update({
+        "DTENSOR_CLIENT_ID": str(host_id),
+        "DTENSOR_NUM_CLIENTS": str(num_hosts),
+        "DTENSOR_JOB_NAME": "worker",
+        "DTENSOR_JOBS": ",".join(f"localhost:{p}" for p in ports),
+        "TFPOD_CPU_DEVICES": str(devices_per_host),
+        "PYTHONUNBUFFERED": "1",
+    })
+    return env
+
+
+def _pump(stream, prefix: str, out) -> None:
+    for line in iter(stream.readline, ""):
+        out.write(f"{prefix}{line}")
+        out.flush()
+    stream.close()
+
+
+def _describe(code: int) -> str:
+    if code < 0:
+        try:
+            return f"was killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"was killed by signal {-code}"
+    return f"exited with status {code}"
+
+
+def launch(num_hosts: int, devices_per_host: int, command: list[str], out=sys.stdout) -> int:
+    """Runs `command` as `num_hosts` local hosts; returns 0 or the first failure's code."""
+    ports = free_ports(num_hosts)
+    procs = []
+    for h in range(num_hosts):
+        p = subprocess.Popen(command, env=host_env(h, num_hosts, ports, devices_per_host), stdout=subprocess.PIPE,
+                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
+        threading.Thread(target=_pump, args=(p.stdout, f"[host {h}] ", out), daemon=True).start()
+        procs.append(p)
+    failed = None
+    try:
+        while True:
+            codes = [p.poll() for p in procs]
+            bad = [(h, c) for h, c in enumerate(codes) if c not in (None, 0)]
+            if bad:
+                failed = bad[0]
+                break
+            if all(c == 0 for c in codes):
+                break
+            time.sleep(0.2)
+    except KeyboardInterrupt:
+        failed = (None, 130)
+    if failed is not None:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGTERM)
+        deadline = time.time() + 10
+        for p in procs:
+            try:
+                p.wait(timeout=max(0.1, deadline - time.time()))
+            except subprocess.TimeoutExpired:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+    time.sleep(0.2)  # let the output threads drain
+    if failed is None:
+        return 0
+    host, code = failed
+    if host is None:
+        print("error: interrupted: stopped every host", file=sys.stderr)
+        return 130
+    print(f"error: host {host} {_describe(code)}: stopped the other {num_hosts - 1} host(s); "
+          f"the last complete checkpoint is intact, so rerunning the same command resumes from it", file=sys.stderr)
+    return code if code > 0 else 128 - code
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if "--" not in argv:
+        print("error: give the command after --, e.g. python -m tfpod.launch --num_hosts=2 -- python main.py ...",
+              file=sys.stderr)
+        return 2
+    split = argv.index("--")
+    parser = argparse.ArgumentParser(prog="python -m tfpod.launch", description="Run local hosts of a DTensor job.")
+    parser.add_argument("--num_hosts", type=int, required=True)
+    parser.add_argument("--devices_per_host", type=int, default=1, help="logical CPU devices per host")
+    args = parser.parse_args(argv[:split])
+    command = argv[split + 1:]
+    if args.num_hosts < 1 or args.devices_per_host < 1 or not command:
+        print("error: --num_hosts and --devices_per_host must be positive, and a command must follow --", file=sys.stderr)
+        return 2
+    return launch(args.num_hosts, args.devices_per_host, command)
+
+
+def console_main() -> None:
+    """Entry point of the `tfpod-launch` console script."""
+    sys.exit(main())
+
+
+if __name__ == "__main__":
+    sys.exit(main())
