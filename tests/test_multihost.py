@@ -93,8 +93,9 @@ def test_hosts_read_disjoint_files_and_a_killed_host_stops_the_job_and_the_rerun
     assert f"at step {saved[-1]}" in rerun.stdout and "input resumed" in rerun.stdout
 
 
-def test_without_a_launcher_the_survivor_names_the_lost_host(tmp_path):
-    """On a cluster no launcher stops the others: a peer's failed collective ends the survivor."""
+def test_without_a_launcher_a_frozen_host_is_named_by_the_heartbeat(tmp_path):
+    """On a cluster no launcher stops the others: a host that hangs (SIGSTOP, connection
+    still open) stops sending heartbeats, and the coordination service ends the survivor."""
     from tfpod.launch import free_ports, host_env
 
     ports = free_ports(2)
@@ -106,13 +107,14 @@ def test_without_a_launcher_the_survivor_names_the_lost_host(tmp_path):
         deadline = time.time() + 300
         while time.time() < deadline and "step 4/2000" not in open(tmp_path / "host0.log").read():
             time.sleep(0.5)
-        procs[1].kill()
-        killed_at = time.time()
+        procs[1].send_signal(signal.SIGSTOP)
+        frozen_at = time.time()
         assert procs[0].wait(timeout=60) == 1
-        assert time.time() - killed_at < 60
+        assert time.time() - frozen_at < 60
     finally:
         for p in procs:
             if p.poll() is None:
+                p.send_signal(signal.SIGCONT)
                 p.kill()
     last = open(tmp_path / "host0.log").read().strip().splitlines()[-1]
     assert last.startswith("error: lost host 1 of 2 (") and "relaunch the same command on every host" in last
