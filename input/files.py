@@ -82,7 +82,7 @@ class HostShard:
 def plan(pattern: str | Sequence[str], num_hosts: int, host_id: int, seed: int = 0) -> HostShard:
     """host_files, plus the record-level fallback (logged) for fewer files than hosts."""
     files = host_files(pattern, num_hosts, host_id, seed)
-    record_shard = num_hosts > 1 and len(files) < num_hosts
+    record_shard = num_hosts > 1 and len(expand(pattern)) < num_hosts  # all files, not this host's part
     if record_shard:
         log.warning(
             "input %s: %d file(s) for %d hosts, so every host reads every file and keeps every %d-th record; "

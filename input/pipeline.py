@@ -169,10 +169,12 @@ def lm_dataset(
       num_hosts, host_id: this host's place.
       seed: file order and shuffling.
       model_vocab_size: the model's vocabulary; the tokenizer's must fit in it.
-      repeat: cycle over the data forever (training) or once (evaluation).
+      repeat: cycle over the data forever (training), or read it once with each
+        document packed on its own (evaluation: the same examples for any host count).
 
     Returns:
-      A dataset of host batches with static shapes [host_rows, seq_len].
+      A dataset of host batches [host_rows, seq_len] (when not repeating, the last
+      batch may be shorter).
     """
     shard = files_lib.plan(pattern, num_hosts, host_id, seed)
     _check_files(shard.files)
@@ -187,13 +189,15 @@ def lm_dataset(
         )
     ds = documents(shard, cfg, seed, repeat)
     ds = text.tokenize(ds, tokenizer, eos_id=prepare.EOS_ID)
-    if cfg.packing == "concat":
+    if not repeat:  # evaluation: rows independent of how files split over hosts
+        ds = text.pack_documents(ds, seq_len, pad_id=prepare.PAD_ID)
+    elif cfg.packing == "concat":
         ds = text.pack_concat(ds, seq_len)
     else:
         ds = text.pack_segments(ds, seq_len, pad_id=prepare.PAD_ID)
     if cfg.shuffle_buffer and repeat:
         ds = ds.shuffle(cfg.shuffle_buffer, seed=seed + 1)
-    ds = ds.batch(host_rows, drop_remainder=True)
+    ds = ds.batch(host_rows, drop_remainder=repeat)  # evaluation keeps the short last batch (padded later)
     options = tf.data.Options()
     options.deterministic = True
     ds = ds.with_options(options)

@@ -370,3 +370,35 @@ def mask_for_mlm(
 
     batches = _doc_batches(ds, batch_size).enumerate()
     return batches.map(mask, num_parallel_calls=_AUTOTUNE, deterministic=True).unbatch()
+
+
+def pack_documents(ds: tf.data.Dataset, seq_len: int, pad_id: int = 0) -> tf.data.Dataset:
+    """Evaluation rows: each document packed on its own, every next-token pair exactly once.
+
+    A document d of n tokens has n - 1 pairs (d[t], d[t+1]); row j holds pairs
+    j*seq_len .. j*seq_len + seq_len - 1 (so rows share one boundary token), and the
+    last row is padded with pad_id and weight 0. Unlike concatenation, the rows do not
+    depend on which documents a host reads or in what order, so an eval set split over
+    any number of hosts has the same examples.
+
+    Args:
+      ds: [None] int32 documents (EOS appended).
+      seq_len: row length.
+      pad_id: id in padding slots.
+
+    Returns:
+      Rows {"inputs", "targets": [seq_len] int32, "weights": [seq_len] float32}.
+    """
+    _check_positive(seq_len=seq_len)
+
+    def rows(doc):
+        doc = tf.cast(doc, tf.int32)
+        pairs = tf.size(doc) - 1
+        n = (pairs + seq_len - 1) // seq_len  # rows of this document
+        padded = tf.pad(doc, [[0, n * seq_len + 1 - tf.size(doc)]], constant_values=pad_id)
+        inputs = tf.reshape(padded[:-1], [n, seq_len])  # [rows, seq_len]
+        targets = tf.reshape(padded[1:], [n, seq_len])
+        weights = tf.reshape(tf.cast(tf.range(n * seq_len) < pairs, tf.float32), [n, seq_len])
+        return tf.data.Dataset.from_tensor_slices({"inputs": inputs, "targets": targets, "weights": weights})
+
+    return ds.filter(lambda d: tf.size(d) > 1).flat_map(rows)

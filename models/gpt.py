@@ -23,11 +23,12 @@ import tensorflow as tf
 import tf_keras
 from official.nlp.modeling import layers as mg_layers
 
-from tfpod import UserError
+from tfpod import UserError, evaluation
 from tfpod.sharding import AxisRule, shard
 
 NAME = "gpt"
 DEFAULT_PRESET = "tensor"
+EVAL_METRIC = evaluation.LM
 ACTIVATION_AXES = ("batch", "length", "embed")
 
 
@@ -171,6 +172,11 @@ def batch_signature(config: GPTConfig, batch_size: int) -> dict:
 MODEL_FEATURES = ("inputs", "segment_ids", "positions")
 
 
+def model_inputs(batch: dict) -> dict:
+    """The features the model reads."""
+    return {k: batch[k] for k in MODEL_FEATURES if k in batch}
+
+
 def batch_axes() -> dict:
     """Logical axes of each batch feature (the input feed shards `batch`)."""
     return {k: ("batch", "length") for k in ("inputs", "targets", "weights", "segment_ids", "positions")}
@@ -203,7 +209,7 @@ def loss_and_metrics(model: GPT, batch: dict, training: bool):
     Returns:
       (loss, {"loss_sum", "weight_sum"}) as float32 scalars.
     """
-    logits = model({k: batch[k] for k in MODEL_FEATURES if k in batch}, training=training)  # [batch, length, vocab]
+    logits = model(model_inputs(batch), training=training)  # [batch, length, vocab]
     vocab = logits.shape[-1]
     log_z = tf.reduce_logsumexp(logits, axis=-1)  # [batch, length]
     target_logit = tf.reduce_sum(logits * tf.one_hot(batch["targets"], vocab, dtype=logits.dtype), axis=-1)

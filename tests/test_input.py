@@ -42,6 +42,14 @@ def test_fewer_files_than_hosts_falls_back_to_record_sharding(tmp_path, caplog):
     assert "2 file(s) for 3 hosts" in caplog.text
 
 
+def test_enough_files_means_file_splitting_even_with_one_file_per_host(tmp_path, caplog):
+    pattern = make_files(tmp_path, 2)
+    with caplog.at_level(logging.WARNING, logger="tfpod"):
+        shards = [files_lib.plan(pattern, 2, h) for h in range(2)]
+    assert not any(s.record_shard for s in shards) and "for 2 hosts" not in caplog.text
+    assert sorted(f for s in shards for f in s.files) == sorted(str(p) for p in tmp_path.glob("part-*.txt"))
+
+
 def test_pattern_matching_nothing_is_one_clear_error(tmp_path):
     with pytest.raises(UserError, match=r"input pattern '.*nothing-\*\.tfrecord' matches no file"):
         host_files(str(tmp_path / "nothing-*.tfrecord"), 2, 0)

@@ -62,7 +62,8 @@ def test_bad_mesh_is_one_line_and_nonzero(tmp_path):
         (["lm_data.seq_len=65"], "train", "lm_data.seq_len=65 is outside [1, 64]"),
         (["lm_data.train_files='/nonexistent/*.tfrecord'", "lm_data.vocab_path='/nonexistent.model'"], "train",
          "input pattern '/nonexistent/*.tfrecord' matches no file"),
-        ([], "eval", "--mode=eval is not available yet"),
+        ([], "eval", "--mode=eval: no checkpoints in"),
+        (["train.synthetic_data=True"], "eval", "--mode=eval needs eval data"),
         ([], "export", "--mode=export is not available yet"),
     ],
 )

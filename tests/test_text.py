@@ -377,3 +377,13 @@ def test_gpt_attends_only_within_segments_and_restarts_positions():
     np.testing.assert_allclose(la[0, 3:6], alone[0, 0:3], rtol=1e-5, atol=1e-6)  # positions restart per segment
     plain = model(a).numpy()  # without segments the second document sees the first
     assert np.abs(plain[0, 3:6] - la[0, 3:6]).max() > 1e-3
+
+
+def test_pack_documents_literal():
+    """Each document alone; rows share a boundary token; the last row is padded with weight 0."""
+    docs = [[1, 2, 3, 4, 5, 9], [6, 7, 9], [8]]
+    ds = tf.data.Dataset.from_generator(lambda: iter(docs), output_signature=tf.TensorSpec([None], tf.int32))
+    rows = [{k: v.numpy().tolist() for k, v in r.items()} for r in text.pack_documents(ds, 3)]
+    assert [r["inputs"] for r in rows] == [[1, 2, 3], [4, 5, 9], [6, 7, 9]]  # 9 = EOS, weight 0 after it
+    assert [r["targets"] for r in rows] == [[2, 3, 4], [5, 9, 0], [7, 9, 0]]
+    assert [r["weights"] for r in rows] == [[1, 1, 1], [1, 1, 0], [1, 1, 0]]

@@ -47,6 +47,16 @@ class CheckpointManager:
                 steps.append(int(prefix.rsplit("-", 1)[1]))
         return sorted(steps)
 
+    def restore(self, path: str) -> int:
+        """Restores a given checkpoint (a prefix such as model_dir/checkpoints/ckpt-40)."""
+        if not tf.io.gfile.exists(path + ".index"):
+            raise UserError(f"--checkpoint={path}: no such checkpoint (expected {path}.index)")
+        try:
+            self._ckpt.restore(path).expect_partial()
+        except (ValueError, tf.errors.OpError) as e:
+            raise UserError(f"checkpoint {path} does not fit this model ({str(e).splitlines()[0]})") from None
+        return int(self._step.numpy())
+
     def restore_latest(self) -> int | None:
         """Restores the newest complete checkpoint if there is one; returns its step or None."""
         steps = self.complete_steps()

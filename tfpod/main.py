@@ -24,7 +24,6 @@ from tfpod import UserError
 FLAGS = flags.FLAGS
 MODES = ("train", "eval", "train_and_eval", "export")
 _LATER = {
-    "eval": "distributed on-device evaluation (issue #5)",
     "train_and_eval": "train-and-eval in one job (issue #5)",
     "export": "SavedModel export for TF Serving (issue #8)",
 }
@@ -36,6 +35,7 @@ flags.DEFINE_enum("mode", "train", MODES, "what to do")
 flags.DEFINE_string("mesh", None, "mesh spec, e.g. data:-1,model:2 (default: experiment.mesh)")
 flags.DEFINE_integer("cpu_devices", None, "split the host CPU into this many logical devices")
 flags.DEFINE_string("device_type", None, "TPU, GPU or CPU (default: auto-detect, in that order)")
+flags.DEFINE_string("checkpoint", None, "--mode=eval: checkpoint to evaluate, e.g. D/checkpoints/ckpt-40 (default: newest)")
 flags.DEFINE_integer("num_hosts", None, "hosts in a multi-host job (default: $DTENSOR_NUM_CLIENTS, else 1)")
 flags.DEFINE_integer("host_id", None, "this host's index (default: $DTENSOR_CLIENT_ID)")
 flags.DEFINE_string("host_addresses", None, "host:port of every host, comma-separated, in host order ($DTENSOR_JOBS)")
@@ -165,6 +165,7 @@ def run(
     mesh_spec: str | None = None,
     cpu_devices: int | None = None,
     device_type: str | None = None,
+    checkpoint: str | None = None,
 ) -> dict:
     """Parses the config, starts the runtime and runs `mode`. Returns the mode's result."""
     if not model_dir:
@@ -194,12 +195,15 @@ def run(
         seq_len = pipeline.check_seq_len(data, model_config.seq_len)
         where = pipeline.resolve(data)  # prepares the default corpus on first use
 
-        def dataset_fn(host_rows):
+        def dataset_fn(host_rows, files=where.train_files, repeat=True):
             return pipeline.lm_dataset(
-                data, where.train_files, where.vocab_path, seq_len, host_rows,
-                info.num_clients, info.client_id, train_config.seed, model_config.vocab_size,
+                data, files, where.vocab_path, seq_len, host_rows,
+                info.num_clients, info.client_id, train_config.seed, model_config.vocab_size, repeat=repeat,
             )
 
+    if mode == "eval":
+        return _evaluate(task, model_config, train_config, opt_config, mesh, table, model_dir, checkpoint,
+                         dataset_fn, where if dataset_fn else None)
     os.makedirs(model_dir, exist_ok=True)
     t = trainer.Trainer(task, model_config, train_config, opt_config, mesh, table, model_dir)
     if dataset_fn is not None:
@@ -212,6 +216,23 @@ def run(
     return t.train(dataset_fn, checkpointable_input=not (dataset_fn and data.service_address))
 
 
+def _evaluate(task, model_config, train_config, opt_config, mesh, table, model_dir, checkpoint, dataset_fn, where):
+    """--mode=eval: the newest (or a given) checkpoint, on any mesh, over the whole eval split."""
+    from tfpod import trainer
+
+    if dataset_fn is None or where.eval_files is None:
+        raise UserError("--mode=eval needs eval data: set lm_data.eval_files (the default corpus has an eval split; "
+                        "train.synthetic_data=True has none)")
+    if not os.path.isdir(os.path.join(model_dir, "checkpoints")):
+        raise UserError(f"--mode=eval: no checkpoints in {model_dir}: train there first, or pass --model_dir of a trained run")
+    t = trainer.Trainer(task, model_config, train_config, opt_config, mesh, table, model_dir)
+    step = t.checkpoints.restore(checkpoint) if checkpoint else t.checkpoints.restore_latest()
+    if step is None:
+        raise UserError(f"--mode=eval: no complete checkpoint in {model_dir}/checkpoints to evaluate")
+    batches = [{k: v.numpy() for k, v in b.items()} for b in dataset_fn(t.host_rows, where.eval_files, repeat=False)]
+    return t.evaluate(batches, step)
+
+
 def main(argv) -> None:
     if len(argv) > 1:
         print(f"error: unexpected arguments {argv[1:]}: pass settings as --flags or --gin_param", file=sys.stderr)
@@ -221,7 +242,8 @@ def main(argv) -> None:
         from tfpod import runtime
 
         runtime.configure_hosts(FLAGS.num_hosts, FLAGS.host_id, FLAGS.host_addresses)
-        run(FLAGS.gin_file, FLAGS.gin_param, FLAGS.model_dir, FLAGS.mode, FLAGS.mesh, FLAGS.cpu_devices, FLAGS.device_type)
+        run(FLAGS.gin_file, FLAGS.gin_param, FLAGS.model_dir, FLAGS.mode, FLAGS.mesh, FLAGS.cpu_devices, FLAGS.device_type,
+            FLAGS.checkpoint)
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         if FLAGS.verbosity >= 1:

@@ -22,7 +22,7 @@ import tensorflow as tf
 import tf_keras
 from tensorflow.experimental import dtensor
 
-from tfpod import UserError, checkpoint, flops, mesh as meshlib, optimizers, runtime, sharding
+from tfpod import UserError, checkpoint, evaluation, flops, mesh as meshlib, optimizers, runtime, sharding
 from tfpod.input import feed
 
 log = logging.getLogger("tfpod")
@@ -327,6 +327,36 @@ class Trainer:
         if self._writer:
             self._writer.flush()
         return {"step": step, "loss": last_loss, "losses": all_losses}
+
+    def evaluate(self, host_batches, step: int | None = None) -> dict:
+        """One full pass over this host's eval batches on the mesh; logs and records it.
+
+        Returns:
+          {metric: value, "num_examples": true eval-set size, "eval_steps", "step"}.
+        """
+        if not hasattr(self, "_eval_step"):
+            self._eval_step = evaluation.make_eval_step(self.model, self.task.EVAL_METRIC, self.task.model_inputs)
+        to_device = lambda b: feed.to_global(b, self.task.batch_axes(), self.table, self.mesh)
+        step = int(self.step_var.numpy()) if step is None else step
+        t = time.time()
+        with sharding.activation_sharding(self.mesh, self.table):
+            result = evaluation.evaluate(self._eval_step, host_batches, self.host_rows, to_device, self.mesh,
+                                         self.task.EVAL_METRIC)
+        result["step"] = step
+        log.info("eval at step %d | %s | %d examples in %d steps, %.1fs", step,
+                 " | ".join(f"{k} {v:.4f}" for k, v in result.items() if isinstance(v, float)),
+                 result["num_examples"], result["eval_steps"], time.time() - t)
+        if self.is_chief:
+            record = {"kind": "eval", **result, "time": time.time()}
+            with open(os.path.join(self.model_dir, "metrics.jsonl"), "a") as f:
+                f.write(json.dumps(record) + "\n")
+            writer = tf.summary.create_file_writer(os.path.join(self.model_dir, "eval"))
+            with writer.as_default(step=step):
+                for k, v in result.items():
+                    if isinstance(v, float):
+                        tf.summary.scalar(k, v)
+            writer.flush()
+        return result
 
     def _log_train(self, step: int, loss: float, grad_norm: float, steps: int, elapsed: float, rate: float | None):
         c = self.cfg

@@ -1,0 +1,97 @@
+"""Distributed evaluation: metric sums on literal inputs, and one eval set on 1 device,
+8 devices and 2 hosts x 4 devices giving the same metrics and the exact example count."""
+
+import json
+import math
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from tfpod import evaluation
+from tfpod.input import prepare
+from tfpod.main import run
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_classification_top1_top5_ignore_padding():
+    logits = tf.constant([[9.0, 1, 2, 3, 4, 5, 6], [0, 9, 8, 7, 6, 5, 4], [1, 2, 3, 4, 5, 6, 7], [5, 5, 5, 5, 5, 5, 9]])
+    batch = {"labels": tf.constant([0, 6, 0, 1]), "weights": tf.constant([1.0, 1.0, 1.0, 0.0])}
+    sums = {k: float(v) for k, v in evaluation.classification_update(logits, batch).items()}
+    # row 0: label ranked 1st; row 1: label (score 4) ranked 6th; row 2: label (1) ranked 7th; row 3: padding
+    assert sums == {"top1_correct": 1.0, "top5_correct": 1.0, "example_count": 3.0}
+    res = evaluation.CLASSIFICATION.result(sums)
+    assert res == {"top1_accuracy": pytest.approx(1 / 3), "top5_accuracy": pytest.approx(1 / 3)}
+
+
+def test_masked_lm_and_lm_sums():
+    logits = tf.one_hot([[2, 3, 0], [1, 1, 1]], 4) * 5.0  # predictions: [2,3,0], [1,1,1]
+    mlm = {"masked_lm_ids": tf.constant([[2, 1, 0], [1, 0, 0]]), "masked_lm_weights": tf.constant([[1.0, 1, 0], [1, 0, 0]])}
+    sums = {k: float(v) for k, v in evaluation.masked_lm_update(logits, mlm).items()}
+    assert sums == {"mlm_correct": 2.0, "mlm_count": 3.0, "example_count": 2.0}
+    lm = {"targets": tf.constant([[2, 3, 1], [1, 2, 0]]), "weights": tf.constant([[1.0, 1, 1], [0, 0, 0]])}
+    sums = {k: float(v) for k, v in evaluation.lm_update(logits, lm).items()}
+    assert sums["token_count"] == 3 and sums["correct_tokens"] == 2 and sums["example_count"] == 1
+    ce_right = math.log(3 + math.exp(5)) - 5  # softmax over [5,0,0,0]
+    assert sums["loss_sum"] == pytest.approx(2 * ce_right + (math.log(3 + math.exp(5)) - 0), rel=1e-5)
+    res = evaluation.LM.result(sums)
+    assert res["perplexity"] == pytest.approx(math.exp(res["loss"]))
+
+
+def test_pad_rows_adds_weight_zero_rows():
+    batch = {"inputs": np.ones((3, 4), np.int32), "weights": np.ones((3, 4), np.float32)}
+    padded = evaluation.pad_rows(batch, 8)
+    assert padded["inputs"].shape == (8, 4) and padded["weights"][3:].sum() == 0
+
+
+SMALL = ["gpt.num_layers=1", "gpt.embed_dim=64", "gpt.mlp_dim=128", "train.global_batch_size=16",
+         "train.steps_per_loop=2", "train.log_every=2", "train.checkpoint_every=2"]
+
+
+def expected_examples(files, seq_len=64):
+    """The eval set's size counted without tfpod: each document's ceil(pairs / seq_len) rows."""
+    import sentencepiece as spm
+
+    sp = spm.SentencePieceProcessor(model_file=prepare.vocab_path(prepare.ensure(), 2048))
+    n = 0
+    for rec in tf.data.TFRecordDataset(files):
+        text = tf.train.Example.FromString(rec.numpy()).features.feature["text"].bytes_list.value[0]
+        pairs = len(sp.encode(text.decode("utf-8"))) + 1 - 1  # + EOS, then pairs
+        n += -(-pairs // seq_len) if pairs > 0 else 0
+    return n
+
+
+def eval_record(model_dir):
+    return [json.loads(l) for l in open(os.path.join(model_dir, "metrics.jsonl")) if '"eval"' in l][-1]
+
+
+def test_same_metrics_and_exact_count_on_1_device_8_devices_and_2_hosts(tmp_path):
+    corpus = prepare.ensure()
+    files = sorted(tf.io.gfile.glob(prepare.split_paths(corpus, "eval")))[:2]
+    eval_param = "lm_data.eval_files='%s'" % ",".join(files)
+    d = tmp_path / "run"
+    run(["gin/lm_tiny.gin"], SMALL + ["train.steps=2"], str(d), mesh_spec="data:4,model:2")
+
+    eight = run(["gin/lm_tiny.gin"], SMALL + [eval_param], str(d), mode="eval", mesh_spec="data:2,model:4")
+    truth = expected_examples(files)
+    assert eight["num_examples"] == truth
+    assert truth % 16 and truth % 2  # the set divides neither the batch nor the host count
+
+    base = [sys.executable, "main.py", "--gin_file=gin/lm_tiny.gin", f"--model_dir={d}", "--mode=eval",
+            *[f"--gin_param={p}" for p in SMALL + [eval_param]]]
+    one = subprocess.run(base + ["--cpu_devices=1", "--mesh=data:1"], cwd=ROOT, capture_output=True, text=True,
+                         timeout=600)
+    assert one.returncode == 0, one.stderr[-2000:]
+    one_rec = eval_record(d)
+    two = subprocess.run([sys.executable, "-m", "tfpod.launch", "--num_hosts=2", "--devices_per_host=4", "--",
+                          *base, "--mesh=data:4,model:2"], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert two.returncode == 0, (two.stdout + two.stderr)[-2000:]
+    two_rec = eval_record(d)
+    for rec in (one_rec, two_rec):
+        assert rec["num_examples"] == truth and rec["step"] == 2, (one_rec, two_rec)
+        for key in ("loss", "perplexity", "token_accuracy"):
+            assert rec[key] == pytest.approx(eight[key], rel=1e-5), (key, rec, eight)

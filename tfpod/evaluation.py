@@ -1,0 +1,155 @@
+"""Distributed on-device evaluation: metrics as sums, every example counted exactly once.
+
+A metric is a pair of functions: `update(outputs, batch) -> {name: sum}` computes
+per-batch sums (weighted loss, token and example counts, correct counts) inside the
+compiled eval step, where the reduction over the batch is a reduction over the whole
+mesh; `result(sums) -> {name: value}` turns the accumulated sums into numbers on the
+host, which reads only those few scalars.
+
+Exactness: each host pads its last batch with weight-0 rows, and a host with fewer
+batches runs padding batches, so every host runs the same number of eval steps; the
+hosts agree on that number with a collective before starting. Padding has weight 0, so
+it adds nothing to any sum, and `num_examples` counts the real rows.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Callable, Iterable, Mapping, Sequence
+
+import numpy as np
+import tensorflow as tf
+from tensorflow.experimental import dtensor
+
+
+@dataclasses.dataclass(frozen=True)
+class Metric:
+    """update(outputs, batch) -> {sum name: scalar}; result(sums) -> {metric name: float}."""
+
+    name: str
+    update: Callable[[tf.Tensor, Mapping[str, tf.Tensor]], dict]
+    result: Callable[[Mapping[str, float]], dict]
+
+
+def _row_weights(weights: tf.Tensor) -> tf.Tensor:
+    """1 for rows with any weight (real examples), 0 for padding rows; [batch]."""
+    return tf.cast(tf.reduce_max(tf.reshape(weights, [tf.shape(weights)[0], -1]), axis=1) > 0, tf.float32)
+
+
+def lm_update(logits: tf.Tensor, batch: Mapping[str, tf.Tensor]) -> dict:
+    """Causal-LM sums: weighted cross entropy, tokens, correct next tokens, examples."""
+    weights = tf.cast(batch["weights"], tf.float32)  # [batch, length]
+    vocab = logits.shape[-1]
+    log_z = tf.reduce_logsumexp(logits, axis=-1)
+    target_logit = tf.reduce_sum(logits * tf.one_hot(batch["targets"], vocab, dtype=logits.dtype), axis=-1)
+    correct = tf.cast(tf.equal(tf.argmax(logits, axis=-1, output_type=tf.int32), batch["targets"]), tf.float32)
+    return {
+        "loss_sum": tf.reduce_sum((log_z - target_logit) * weights),
+        "token_count": tf.reduce_sum(weights),
+        "correct_tokens": tf.reduce_sum(correct * weights),
+        "example_count": tf.reduce_sum(_row_weights(weights)),
+    }
+
+
+def lm_result(sums: Mapping[str, float]) -> dict:
+    tokens = max(sums["token_count"], 1.0)
+    loss = sums["loss_sum"] / tokens
+    return {"loss": loss, "perplexity": math.exp(min(loss, 80.0)), "token_accuracy": sums["correct_tokens"] / tokens}
+
+
+LM = Metric("lm", lm_update, lm_result)
+
+
+def masked_lm_update(logits: tf.Tensor, batch: Mapping[str, tf.Tensor]) -> dict:
+    """Masked-LM sums over predicted positions: logits [batch, predictions, vocab]."""
+    weights = tf.cast(batch["masked_lm_weights"], tf.float32)
+    correct = tf.cast(tf.equal(tf.argmax(logits, axis=-1, output_type=tf.int32), batch["masked_lm_ids"]), tf.float32)
+    return {
+        "mlm_correct": tf.reduce_sum(correct * weights),
+        "mlm_count": tf.reduce_sum(weights),
+        "example_count": tf.reduce_sum(_row_weights(weights)),
+    }
+
+
+MASKED_LM = Metric("masked_lm", masked_lm_update,
+                   lambda s: {"masked_lm_accuracy": s["mlm_correct"] / max(s["mlm_count"], 1.0)})
+
+
+def classification_update(logits: tf.Tensor, batch: Mapping[str, tf.Tensor]) -> dict:
+    """Top-1 and top-5 sums: logits [batch, classes], labels [batch], weights [batch]."""
+    weights = tf.cast(batch["weights"], tf.float32)
+    labels = tf.cast(batch["labels"], tf.int32)
+    label_logit = tf.reduce_sum(logits * tf.one_hot(labels, logits.shape[-1], dtype=logits.dtype), axis=-1)
+    # rank of the label = number of classes scoring strictly higher (no gather, no top_k)
+    higher = tf.reduce_sum(tf.cast(logits > label_logit[:, None], tf.float32), axis=-1)
+    return {
+        "top1_correct": tf.reduce_sum(tf.cast(higher < 1, tf.float32) * weights),
+        "top5_correct": tf.reduce_sum(tf.cast(higher < 5, tf.float32) * weights),
+        "example_count": tf.reduce_sum(weights),
+    }
+
+
+CLASSIFICATION = Metric(
+    "classification",
+    classification_update,
+    lambda s: {"top1_accuracy": s["top1_correct"] / max(s["example_count"], 1.0),
+               "top5_accuracy": s["top5_correct"] / max(s["example_count"], 1.0)},
+)
+
+
+def pad_rows(batch: Mapping[str, np.ndarray], rows: int) -> dict:
+    """A host batch padded to `rows` rows with zeros (weight 0: the padding counts nothing)."""
+    n = next(iter(batch.values())).shape[0]
+    if n == rows:
+        return dict(batch)
+    return {k: np.concatenate([v, np.zeros((rows - n,) + v.shape[1:], v.dtype)]) for k, v in batch.items()}
+
+
+def agree_max(value: int, mesh: dtensor.Mesh) -> int:
+    """The maximum of a per-host integer over all hosts (a collective on the mesh)."""
+    shape = [mesh.dim_size(n) for n in mesh.dim_names]
+    layout = dtensor.Layout(list(mesh.dim_names), mesh)
+    local = [tf.constant(value, tf.int64, shape=[1] * len(shape)) for _ in mesh.local_devices()]
+    packed = dtensor.pack(local, layout)
+    reduced = tf.reduce_max(packed)  # replicated scalar: the all-reduce across hosts
+    return int(dtensor.unpack(reduced)[0].numpy())
+
+
+def make_eval_step(model, metric: Metric, model_inputs: Callable[[Mapping], object]):
+    """The compiled eval step: forward pass and the metric's sums, reduced over the mesh."""
+
+    @tf.function
+    def eval_step(batch):
+        outputs = model(model_inputs(batch), training=False)
+        return {k: tf.cast(v, tf.float64) for k, v in metric.update(tf.cast(outputs, tf.float32), batch).items()}
+
+    return eval_step
+
+
+def evaluate(eval_step, host_batches: Iterable[Mapping[str, np.ndarray]], host_rows: int, to_device,
+             mesh: dtensor.Mesh, metric: Metric) -> dict:
+    """Runs the eval set once; returns the metric's results and the true num_examples.
+
+    Args:
+      eval_step: from make_eval_step.
+      host_batches: this host's eval batches (the last may be short).
+      host_rows: rows of a full host batch.
+      to_device: host batch -> dict of global DTensors.
+      mesh: the mesh (hosts agree on the step count over it).
+      metric: the metric.
+    """
+    batches = [pad_rows(b, host_rows) for b in host_batches]
+    steps = agree_max(len(batches), mesh)
+    if not batches:
+        raise ValueError("this host has no eval data")
+    padding = {k: np.zeros_like(v) for k, v in batches[0].items()}
+    totals = None
+    for i in range(steps):
+        sums = eval_step(to_device(batches[i] if i < len(batches) else padding))
+        totals = sums if totals is None else {k: totals[k] + sums[k] for k in sums}
+    host = {k: float(dtensor.unpack(v)[0].numpy()) if dtensor.is_dtensor(v) else float(v) for k, v in totals.items()}
+    result = {k: float(v) for k, v in metric.result(host).items()}
+    result["num_examples"] = int(round(host["example_count"]))
+    result["eval_steps"] = steps
+    return result
