@@ -95,3 +95,19 @@ def test_same_metrics_and_exact_count_on_1_device_8_devices_and_2_hosts(tmp_path
         assert rec["num_examples"] == truth and rec["step"] == 2, (one_rec, two_rec)
         for key in ("loss", "perplexity", "token_accuracy"):
             assert rec[key] == pytest.approx(eight[key], rel=1e-5), (key, rec, eight)
+
+
+def test_train_and_eval_alternates_and_stops_at_the_target(tmp_path):
+    corpus = prepare.ensure()
+    one_file = "lm_data.eval_files='%s'" % sorted(tf.io.gfile.glob(prepare.split_paths(corpus, "eval")))[0]
+    params = SMALL + [one_file, "train.eval_every=2", "train.steps=4"]
+    out = run(["gin/lm_tiny.gin"], params, str(tmp_path / "a"), mode="train_and_eval", mesh_spec="data:8")
+    evals = [json.loads(l) for l in open(tmp_path / "a" / "metrics.jsonl") if '"eval"' in l]
+    assert [e["step"] for e in evals] == [2, 4] and out["step"] == 4
+    assert evals[0]["num_examples"] == evals[1]["num_examples"] > 0
+
+    target = ["train.target_metric='token_accuracy'", "train.target_value=0.0"]
+    out = run(["gin/lm_tiny.gin"], params + target, str(tmp_path / "b"), mode="train_and_eval", mesh_spec="data:8")
+    evals = [json.loads(l) for l in open(tmp_path / "b" / "metrics.jsonl") if '"eval"' in l]
+    assert out["step"] == 2 and evals[-1]["target_reached"] is True and evals[-1]["train_seconds"] > 0
+    assert os.path.exists(tmp_path / "b" / "checkpoints" / "ckpt-2.index")

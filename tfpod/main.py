@@ -24,7 +24,6 @@ from tfpod import UserError
 FLAGS = flags.FLAGS
 MODES = ("train", "eval", "train_and_eval", "export")
 _LATER = {
-    "train_and_eval": "train-and-eval in one job (issue #5)",
     "export": "SavedModel export for TF Serving (issue #8)",
 }
 
@@ -213,7 +212,15 @@ def run(
     if info.client_id == 0:
         with open(os.path.join(model_dir, "config.gin"), "w") as f:
             f.write(gin.operative_config_str())
-    return t.train(dataset_fn, checkpointable_input=not (dataset_fn and data.service_address))
+    eval_batches = None
+    if mode == "train_and_eval":
+        if dataset_fn is None or where.eval_files is None:
+            raise UserError("--mode=train_and_eval needs eval data: set lm_data.eval_files (train.synthetic_data=True has none)")
+        if not train_config.eval_every:
+            raise UserError("--mode=train_and_eval needs train.eval_every > 0: the steps between evaluations")
+        eval_batches = [{k: v.numpy() for k, v in b.items()}
+                        for b in dataset_fn(t.host_rows, where.eval_files, repeat=False)]
+    return t.train(dataset_fn, checkpointable_input=not (dataset_fn and data.service_address), eval_batches=eval_batches)
 
 
 def _evaluate(task, model_config, train_config, opt_config, mesh, table, model_dir, checkpoint, dataset_fn, where):

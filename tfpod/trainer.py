@@ -46,6 +46,9 @@ class TrainConfig:
       keep_checkpoints: how many recent checkpoints to keep.
       precision: float32, or mixed_bfloat16 (bf16 compute, fp32 weights and loss).
       peak_flops: per-device peak FLOP/s for MFU (None: data sheet or measured).
+      target_metric: train_and_eval stops when this eval metric reaches target_value
+        (loss and perplexity: at or below; others: at or above).
+      target_value: see target_metric.
     """
 
     steps: int = 100
@@ -59,6 +62,19 @@ class TrainConfig:
     keep_checkpoints: int = 3
     precision: str = "float32"
     peak_flops: float | None = None
+    target_metric: str | None = None
+    target_value: float | None = None
+
+    def reached(self, result: Mapping[str, float]) -> bool:
+        """Whether an eval result reaches the target (never without one)."""
+        if self.target_metric is None or self.target_value is None:
+            return False
+        if self.target_metric not in result:
+            raise UserError(f"train.target_metric={self.target_metric!r} is not an eval metric: use one of "
+                            f"{', '.join(k for k, v in result.items() if isinstance(v, float))}")
+        value = result[self.target_metric]
+        lower_better = self.target_metric in ("loss", "perplexity")
+        return value <= self.target_value if lower_better else value >= self.target_value
 
     def __post_init__(self):
         for field in ("steps", "global_batch_size", "steps_per_loop", "checkpoint_every", "log_every"):
@@ -255,13 +271,16 @@ class Trainer:
 
     corrupt_finder: Callable[[], str | None] | None = None
 
-    def train(self, dataset_fn: Callable[[int], tf.data.Dataset] | None = None, checkpointable_input: bool = True) -> dict:
+    def train(self, dataset_fn: Callable[[int], tf.data.Dataset] | None = None, checkpointable_input: bool = True,
+              eval_batches: list | None = None) -> dict:
         """Trains from the newest checkpoint (or from scratch) up to train.steps.
 
         Args:
           dataset_fn: host_rows -> this host's dataset of batches (None: synthetic data).
           checkpointable_input: whether the dataset's iterator can be checkpointed
             (not when fed by the tf.data service).
+          eval_batches: this host's eval batches (train_and_eval): evaluated every
+            train.eval_every steps; the run stops early when train.target_* is reached.
 
         Returns:
           {"step": final step, "loss": last logged loss, "losses": every step's loss}.
@@ -316,10 +335,20 @@ class Trainer:
                     last_loss = float(np.mean(window_losses))
                     self._log_train(step, last_loss, float(norms[-1]), window_steps, elapsed, rate)
                     window_losses, window_steps, t_window = [], 0, time.time()
-                if step % c.checkpoint_every == 0 or step == c.steps:
+                reached = False
+                if eval_batches is not None and c.eval_every and (step % c.eval_every == 0 or step == c.steps):
+                    result = self.evaluate(eval_batches, step, extra={"train_seconds": time.time() - t_start})
+                    reached = c.reached(result)
+                    if reached:
+                        log.info("reached %s %s %.4f at step %d, %s after the start of training",
+                                 c.target_metric, "<=" if c.target_metric in ("loss", "perplexity") else ">=",
+                                 c.target_value, step, datetime.timedelta(seconds=round(time.time() - t_start)))
+                if step % c.checkpoint_every == 0 or step == c.steps or reached:
                     if input_ckpt:
                         input_ckpt.save(step)  # first, so the model checkpoint always has its input position
                     self.checkpoints.save()
+                if reached:
+                    break
         log.info(
             "trained steps %d..%d in %s; final loss %.4f",
             start_step, step, datetime.timedelta(seconds=round(time.time() - t_start)), all_losses[-1],
@@ -328,7 +357,7 @@ class Trainer:
             self._writer.flush()
         return {"step": step, "loss": last_loss, "losses": all_losses}
 
-    def evaluate(self, host_batches, step: int | None = None) -> dict:
+    def evaluate(self, host_batches, step: int | None = None, extra: Mapping | None = None) -> dict:
         """One full pass over this host's eval batches on the mesh; logs and records it.
 
         Returns:
@@ -343,6 +372,10 @@ class Trainer:
             result = evaluation.evaluate(self._eval_step, host_batches, self.host_rows, to_device, self.mesh,
                                          self.task.EVAL_METRIC)
         result["step"] = step
+        if extra:
+            result.update(extra)
+            if self.cfg.target_metric is not None and self.cfg.target_value is not None:
+                result["target_reached"] = self.cfg.reached(result)
         log.info("eval at step %d | %s | %d examples in %d steps, %.1fs", step,
                  " | ".join(f"{k} {v:.4f}" for k, v in result.items() if isinstance(v, float)),
                  result["num_examples"], result["eval_steps"], time.time() - t)
