@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from tfpod import evaluation
+from tfpod import UserError, evaluation
 from tfpod.input import prepare
 from tfpod.main import run
 
@@ -105,6 +105,11 @@ def test_train_and_eval_alternates_and_stops_at_the_target(tmp_path):
     evals = [json.loads(l) for l in open(tmp_path / "a" / "metrics.jsonl") if '"eval"' in l]
     assert [e["step"] for e in evals] == [2, 4] and out["step"] == 4
     assert evals[0]["num_examples"] == evals[1]["num_examples"] > 0
+    given = run(["gin/lm_tiny.gin"], params, str(tmp_path / "a"), mode="eval", mesh_spec="data:4,model:2",
+                checkpoint=str(tmp_path / "a" / "checkpoints" / "ckpt-2"))  # a given, older checkpoint
+    assert given["step"] == 2 and given["loss"] == pytest.approx(evals[0]["loss"], rel=1e-5)
+    with pytest.raises(UserError, match="no such checkpoint"):
+        run(["gin/lm_tiny.gin"], params, str(tmp_path / "a"), mode="eval", checkpoint=str(tmp_path / "nope"))
 
     target = ["train.target_metric='token_accuracy'", "train.target_value=0.0"]
     out = run(["gin/lm_tiny.gin"], params + target, str(tmp_path / "b"), mode="train_and_eval", mesh_spec="data:8")
