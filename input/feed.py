@@ -19,7 +19,8 @@ from tfpod import UserError
 from tfpod.sharding import layout_for
 
 
-def _batch_mesh_axis(axes: Sequence[str | None], table: Mapping[str, str | None], mesh) -> str | None:
+def batch_mesh_axis(axes: Sequence[str | None], table: Mapping[str, str | None], mesh) -> str | None:
+    """The mesh axis the first (batch) dimension of a feature with these logical axes is split over."""
     spec = layout_for(axes, table, mesh).sharding_specs
     return None if spec[0] == dtensor.UNSHARDED else spec[0]
 
@@ -69,7 +70,7 @@ def to_global(
     devices = mesh.local_device_locations()
     for name, value in host_batch.items():
         axes = tuple(feature_axes[name])
-        batch_axis = _batch_mesh_axis(axes, table, mesh)
+        batch_axis = batch_mesh_axis(axes, table, mesh)
         layout = layout_for((None,) * leading_dims + axes, table, mesh)
         shards = local_shards(mesh, batch_axis)
         value = tf.convert_to_tensor(value)

@@ -60,7 +60,12 @@ def host_files(pattern: str | Sequence[str], num_hosts: int, host_id: int, seed:
       there are fewer files than hosts (then read with record-level sharding).
     """
     _check_hosts(num_hosts, host_id)
-    files = expand(pattern)
+    return _part(expand(pattern), num_hosts, host_id, seed)
+
+
+def _part(files: list[str], num_hosts: int, host_id: int, seed: int) -> list[str]:
+    """Host host_id's balanced part of the seeded shuffle (every file if fewer than hosts)."""
+    files = list(files)
     if len(files) < num_hosts:
         return files
     random.Random(seed).shuffle(files)
@@ -81,8 +86,10 @@ class HostShard:
 
 def plan(pattern: str | Sequence[str], num_hosts: int, host_id: int, seed: int = 0) -> HostShard:
     """host_files, plus the record-level fallback (logged) for fewer files than hosts."""
-    files = host_files(pattern, num_hosts, host_id, seed)
-    record_shard = num_hosts > 1 and len(expand(pattern)) < num_hosts  # all files, not this host's part
+    _check_hosts(num_hosts, host_id)
+    everything = expand(pattern)
+    files = _part(everything, num_hosts, host_id, seed)
+    record_shard = num_hosts > 1 and len(everything) < num_hosts
     if record_shard:
         log.warning(
             "input %s: %d file(s) for %d hosts, so every host reads every file and keeps every %d-th record; "

@@ -86,9 +86,6 @@ class CheckpointManager:
         log.info("saved checkpoint %s", path)
         return path
 
-    def has(self, step: int) -> bool:
-        return any(p.endswith(f"-{step}") for p in self._manager.checkpoints)
-
 
 class InputCheckpoint:
     """One host's input position (its tf.data iterator), saved beside each model checkpoint.

@@ -177,8 +177,3 @@ def lost_host_message(error: BaseException, checkpoint: str | None) -> str | Non
 def info() -> RuntimeInfo:
     """The RuntimeInfo of the started system; starts a default one if none runs."""
     return _INFO if _INFO is not None else initialize()
-
-
-def is_chief() -> bool:
-    """True on host 0, the host that writes metrics, config and summaries."""
-    return info().client_id == 0

@@ -160,9 +160,11 @@ class Trainer:
         self.mesh, self.table, self.model_dir = mesh, dict(table), model_dir
         self.info = runtime.info()
         self.is_chief = self.info.client_id == 0
+        # () -> the corrupt input file, to name it in errors (set by whoever builds the input)
+        self.corrupt_finder: Callable[[], str | None] | None = None
         os.makedirs(model_dir, exist_ok=True)
 
-        batch_axis = feed._batch_mesh_axis(task.batch_axes()["inputs"], self.table, mesh)
+        batch_axis = feed.batch_mesh_axis(task.batch_axes()["inputs"], self.table, mesh)
         self.host_rows = feed.host_rows(train.global_batch_size, mesh, batch_axis)
         self._local_shards = feed.local_shards(mesh, batch_axis)
         self._shard_rows = train.global_batch_size // (mesh.dim_size(batch_axis) if batch_axis else 1)
@@ -268,8 +270,6 @@ class Trainer:
         bad = self.corrupt_finder() if self.corrupt_finder else None
         where = f"file {bad} is corrupt" if bad else "one of this host's files is corrupt"
         return f"{where}; replace it, or set lm_data.skip_corrupt=True to skip unreadable records"
-
-    corrupt_finder: Callable[[], str | None] | None = None
 
     def train(self, dataset_fn: Callable[[int], tf.data.Dataset] | None = None, checkpointable_input: bool = True,
               eval_batches: list | None = None) -> dict:
