@@ -116,6 +116,21 @@ def agree_max(value: int, mesh: dtensor.Mesh) -> int:
     return int(dtensor.unpack(reduced)[0].numpy())
 
 
+def host_sum(values, mesh: dtensor.Mesh) -> np.ndarray:
+    """The sum over all hosts of a per-host float vector (a collective on the mesh).
+
+    Each host puts its vector on its first local device and zeros on the others, so
+    the reduction over every mesh axis counts each host once. Every host must call it.
+    """
+    values = np.asarray(values, np.float64).reshape([-1])
+    shape = [1] * mesh.rank + [values.size]
+    layout = dtensor.Layout(list(mesh.dim_names) + [dtensor.UNSHARDED], mesh)
+    local = [tf.constant(values if i == 0 else np.zeros_like(values), tf.float64, shape=shape)
+             for i, _ in enumerate(mesh.local_devices())]
+    reduced = tf.reduce_sum(dtensor.pack(local, layout), axis=list(range(mesh.rank)))  # [n], replicated
+    return dtensor.unpack(reduced)[0].numpy()
+
+
 def make_eval_step(model, metric: Metric, model_inputs: Callable[[Mapping], object]):
     """The compiled eval step: forward pass and the metric's sums, reduced over the mesh."""
 

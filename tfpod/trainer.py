@@ -384,6 +384,9 @@ class Trainer:
         with sharding.activation_sharding(self.mesh, self.table), sharding.gathered_weights():
             result = evaluation.evaluate(self._eval_step, host_batches, self.host_rows, to_device, self.mesh,
                                          self.task.EVAL_METRIC)
+            decode_metrics = getattr(self.task, "decode_metrics", None)  # e.g. BLEU of decoded outputs
+            if decode_metrics is not None:
+                result.update(decode_metrics(self, host_batches))
         result["step"] = step
         if extra:
             result.update(extra)
