@@ -1,0 +1,368 @@
+"""BERT pretraining (MLPerf BERT): masked LM, optionally next-sentence prediction.
+
+The encoder is Model Garden's `BertEncoderV2` (post-norm Transformer blocks, word,
+position and token-type embeddings, embedding layer norm, pooler), so its variables
+carry Model Garden's names. Two of its pieces are made DTensor-friendly:
+
+  * The encoder's word embedding (an `OnDeviceEmbedding`) is switched to one-hot mode:
+    the lookup is a matmul, so a vocab-sharded table needs no gather and its gradient is
+    dense (DTensor has no layout propagation for the ResourceScatterAdd of a gathered
+    table's IndexedSlices gradient). The token-type embedding is one-hot already.
+  * The masked-LM head is Model Garden's `MaskedLM` (its weights: `transform/dense`,
+    `transform/LayerNorm`, `output_bias`) with the gather of masked positions written
+    as a one-hot einsum over the sequence (Model Garden flattens the batch and gathers
+    with global row offsets, which a batch-sharded tensor cannot do shard-locally). Its
+    output layer is tied to the word embeddings, so under `tensor` the logits and the
+    cross entropy are vocab-parallel.
+
+The encoder's output is annotated [batch, length, embed] (tfpod.sharding.shard) before
+both heads, and the NSP head applies the encoder's pooler to that annotated tensor.
+Without it, under the `weight_update` preset, DTensor's SPMD expansion of a reduction
+in the encoder's post-norm blocks failed ("EmitAllScatter was passed a desired_layout
+... which was not more sharded than the original_layout"; pre-norm blocks did not), as
+layouts propagated back from the gradients' relayouts.
+
+Next-sentence prediction (`next_sentence=True`, as in Google's and the MLPerf reference
+run_pretraining.py) trains a 2-way classifier on the pooled [CLS] output and adds its
+loss; without it the pooler and the classifier are frozen (no gradient, no optimizer
+state), so checkpoints have the same variables either way.
+
+Batch contract (the features of tf-models-official's create_pretraining_data.py; see
+tfpod.input.bert_data for the pipelines that produce it):
+  input_ids            int32 [batch, length]  token ids, [CLS] first, 0 in padding
+  input_mask           int32 [batch, length]  1 for tokens, 0 for padding
+  segment_ids          int32 [batch, length]  0 for sentence A (and padding), 1 for B
+  masked_lm_positions  int32 [batch, predictions]  positions to predict, 0 in padding
+  masked_lm_ids        int32 [batch, predictions]  the original ids there
+  masked_lm_weights    float32 [batch, predictions]  1 per real prediction, 0 padding
+  next_sentence_labels int32 [batch]  1 if sentence B is random (read with
+                       next_sentence=True; online-masked text has none)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import tensorflow as tf
+import tf_keras
+from official.nlp.modeling import layers as mg_layers
+from official.nlp.modeling import networks as mg_networks
+
+from tfpod import UserError, evaluation
+from tfpod.input import bert_data
+from tfpod.sharding import AxisRule, shard
+
+NAME = "bert"
+DEFAULT_PRESET = "tensor"
+EVAL_METRIC = evaluation.MASKED_LM
+DATA = "bert_data"  # gin name of the data config
+DataConfig = bert_data.BertDataConfig
+make_input = bert_data.bert_input
+ACTIVATIONS = ("gelu", "gelu_approximate", "relu")
+
+
+@dataclasses.dataclass
+class BertConfig:
+    """Shape of BERT. Attributes map 1:1 to gin `bert.<name>`; the defaults are BERT-large.
+
+    Attributes:
+      vocab_size: word pieces (30522 for BERT's uncased WordPiece vocabulary).
+      seq_len: tokens per example, [CLS] and [SEP]s included (create_pretraining_data.py
+        --max_seq_length); also the size of the position table.
+      max_predictions: masked positions per example (--max_predictions_per_seq).
+      num_layers, hidden_size, num_heads, intermediate_size: the encoder's shape.
+      type_vocab_size: token types (segments A and B).
+      dropout, attention_dropout: dropout rates (BERT: 0.1).
+      init_stddev: truncated-normal initializer of every weight.
+      activation: the MLP's activation, gelu (exact, as Google's BERT), gelu_approximate
+        (tanh form) or relu.
+      next_sentence: also train next-sentence prediction (needs next_sentence_labels,
+        which create_pretraining_data.py writes).
+      norm_first: pre-norm blocks (layer norm before attention and MLP) instead of
+        BERT's post-norm ones.
+    """
+
+    vocab_size: int = 30522
+    seq_len: int = 512
+    max_predictions: int = 76
+    num_layers: int = 24
+    hidden_size: int = 1024
+    num_heads: int = 16
+    intermediate_size: int = 4096
+    type_vocab_size: int = 2
+    dropout: float = 0.1
+    attention_dropout: float = 0.1
+    init_stddev: float = 0.02
+    activation: str = "gelu"
+    next_sentence: bool = False
+    norm_first: bool = False
+
+    def __post_init__(self):
+        for field in ("vocab_size", "seq_len", "max_predictions", "num_layers", "hidden_size", "num_heads",
+                      "intermediate_size", "type_vocab_size"):
+            if getattr(self, field) < 1:
+                raise UserError(f"bert.{field}={getattr(self, field)} must be positive")
+        if self.hidden_size % self.num_heads:
+            raise UserError(
+                f"bert.hidden_size={self.hidden_size} is not divisible by bert.num_heads={self.num_heads}: "
+                "each head gets hidden_size / num_heads dimensions"
+            )
+        if self.max_predictions > self.seq_len:
+            raise UserError(f"bert.max_predictions={self.max_predictions} exceeds bert.seq_len={self.seq_len}: "
+                            "an example cannot predict more positions than it has")
+        for field in ("dropout", "attention_dropout"):
+            if not 0.0 <= getattr(self, field) < 1.0:
+                raise UserError(f"bert.{field}={getattr(self, field)} must be in [0, 1)")
+        if self.activation not in ACTIVATIONS:
+            raise UserError(f"bert.activation={self.activation!r}: use one of {', '.join(ACTIVATIONS)}")
+
+
+Config = BertConfig
+
+# Variable names are "bert/<encoder or head>/.../<weight>"; one rule per kind of weight.
+# The encoder's blocks are Model Garden TransformerEncoderBlocks (post-norm, as BERT):
+# column-parallel query/key/value and MLP-in, row-parallel attention-out and MLP-out.
+AXIS_RULES = (
+    AxisRule(r".*/word_embeddings/embeddings", ("vocab", "embed")),
+    AxisRule(r".*/position_embedding/embeddings", ("length", "embed")),
+    AxisRule(r".*/type_embeddings/embeddings", (None, "embed")),
+    AxisRule(r".*/embeddings/layer_norm/(gamma|beta)", ("embed",)),
+    AxisRule(r".*/self_attention/(query|key|value)/kernel", ("embed", "heads", "kv")),
+    AxisRule(r".*/self_attention/(query|key|value)/bias", ("heads", "kv")),
+    AxisRule(r".*/self_attention/attention_output/kernel", ("heads", "kv", "embed")),
+    AxisRule(r".*/self_attention/attention_output/bias", ("embed",)),
+    AxisRule(r".*/(self_attention_layer_norm|output_layer_norm)/(gamma|beta)", ("embed",)),
+    AxisRule(r".*/intermediate/kernel", ("embed", "mlp")),
+    AxisRule(r".*/intermediate/bias", ("mlp",)),
+    AxisRule(r".*/layer_\d+/output/kernel", ("mlp", "embed")),
+    AxisRule(r".*/layer_\d+/output/bias", ("embed",)),
+    # The pooler and the NSP classifier are small and stay replicated (both are frozen
+    # without NSP, and a frozen weight is not gathered where used under `2d`).
+    AxisRule(r".*/(pooler_transform|next_sentence)/kernel", (None, None)),
+    AxisRule(r".*/(pooler_transform|next_sentence)/bias", (None,)),
+    AxisRule(r".*/masked_lm/transform/dense/kernel", ("embed", None)),
+    AxisRule(r".*/masked_lm/transform/dense/bias", (None,)),
+    AxisRule(r".*/masked_lm/transform/LayerNorm/(gamma|beta)", (None,)),
+    AxisRule(r".*/masked_lm/output_bias/bias", ("vocab",)),
+)
+
+
+def _activation(name: str):
+    if name == "gelu_approximate":
+        return lambda x: tf_keras.activations.gelu(x, approximate=True)
+    return tf_keras.activations.get(name)
+
+
+class MaskedLMHead(mg_layers.MaskedLM):
+    """Model Garden's MaskedLM, gathering the masked positions with a one-hot einsum.
+
+    The tied embedding table is passed at call time rather than held, so the word
+    embedding has one owner (the encoder) and DTensor places it once.
+
+    Args:
+      vocab_size, hidden_size: shape of the tied embedding table.
+      activation: of the transform dense layer (BERT: gelu).
+      initializer: of the transform dense layer.
+    """
+
+    def __init__(self, vocab_size: int, hidden_size: int, activation, initializer, name: str = "masked_lm"):
+        # MaskedLM.build reads only the table's shape.
+        super().__init__(embedding_table=tf.TensorSpec([vocab_size, hidden_size]), activation=activation,
+                         initializer=initializer, output="logits", name=name)
+
+    def call(self, sequence, masked_positions, embedding_table):
+        """sequence [batch, length, hidden], positions [batch, predictions] -> logits [batch, predictions, vocab]."""
+        select = tf.one_hot(masked_positions, sequence.shape[1], dtype=sequence.dtype)  # [b, p, l]
+        x = tf.einsum("bpl,blh->bph", select, sequence)  # [b, p, hidden]
+        x = self.layer_norm(self.dense(x))
+        table = tf.cast(embedding_table, x.dtype)  # [vocab, hidden]
+        logits = tf.einsum("bph,vh->bpv", x, table) + tf.cast(self.bias, x.dtype)  # [b, p, vocab]
+        return tf.cast(logits, tf.float32)
+
+
+class BertPretrainer(tf_keras.Model):
+    """BERT with its pretraining heads: batch features -> masked-LM logits [batch, predictions, vocab]."""
+
+    def __init__(self, config: BertConfig, name: str = "bert"):
+        super().__init__(name=name)
+        self.config = config
+
+        def init():  # a fresh initializer per layer, so no two weights share values
+            return tf_keras.initializers.TruncatedNormal(stddev=config.init_stddev)
+
+        activation = _activation(config.activation)
+        self.encoder = mg_networks.BertEncoderV2(
+            vocab_size=config.vocab_size,
+            hidden_size=config.hidden_size,
+            num_layers=config.num_layers,
+            num_attention_heads=config.num_heads,
+            max_sequence_length=config.seq_len,
+            type_vocab_size=config.type_vocab_size,
+            inner_dim=config.intermediate_size,
+            inner_activation=activation,
+            output_dropout=config.dropout,
+            attention_dropout=config.attention_dropout,
+            initializer=init(),
+            norm_first=config.norm_first,
+            name="encoder",
+        )
+        # The encoder's own word embedding, switched to one-hot lookups before it is built.
+        # (Handing BertEncoderV2 an `embedding_layer` instead would also keep the layer in
+        # its config dict, a path tf_keras's DTensor variable mapping cannot follow.)
+        embedding = self.encoder.get_embedding_layer()
+        if not isinstance(embedding, mg_layers.OnDeviceEmbedding) or not hasattr(embedding, "_use_one_hot"):
+            raise TypeError(f"BertEncoderV2's word embedding is a {type(embedding).__name__} without one-hot mode: "
+                            "this tf-models-official version is not supported")
+        embedding._use_one_hot = True
+        self.encoder.pooler_layer.trainable = config.next_sentence
+        self.masked_lm = MaskedLMHead(config.vocab_size, config.hidden_size, activation, init())
+        # The NSP classifier exists either way (so checkpoints have one shape), frozen without NSP.
+        self.next_sentence = tf_keras.layers.Dense(2, kernel_initializer=init(), name="next_sentence")
+        self.next_sentence.trainable = config.next_sentence
+
+    def call(self, inputs, training=None, with_next_sentence=False):
+        """Masked-LM logits [batch, predictions, vocab] (float32).
+
+        With `with_next_sentence` (and config.next_sentence): (masked-LM logits,
+        next-sentence logits [batch, 2]).
+        """
+        outputs = self.encoder(
+            {"input_word_ids": inputs["input_ids"], "input_mask": inputs["input_mask"],
+             "input_type_ids": inputs["segment_ids"]},
+            training=training,
+        )
+        sequence = shard(outputs["sequence_output"], ("batch", "length", "embed"))  # [batch, length, hidden]
+        mlm_logits = self.masked_lm(sequence, inputs["masked_lm_positions"], self.encoder.get_embedding_table())
+        # The encoder's pooler applied to the annotated sequence (the encoder's own pooled
+        # output, computed from the unannotated one, is left unused).
+        pooled = self.encoder.pooler_layer(sequence[:, 0, :])  # [batch, hidden]
+        nsp_logits = tf.cast(self.next_sentence(pooled), tf.float32)  # [batch, 2]
+        if not with_next_sentence:
+            return mlm_logits
+        return mlm_logits, (nsp_logits if self.config.next_sentence else None)
+
+
+def build(config: BertConfig) -> BertPretrainer:
+    return BertPretrainer(config)
+
+
+MODEL_FEATURES = ("input_ids", "input_mask", "segment_ids", "masked_lm_positions")
+
+
+def input_signature(config: BertConfig) -> dict:
+    length, predictions = config.seq_len, config.max_predictions
+    return {
+        "input_ids": tf.TensorSpec([None, length], tf.int32, name="input_ids"),
+        "input_mask": tf.TensorSpec([None, length], tf.int32, name="input_mask"),
+        "segment_ids": tf.TensorSpec([None, length], tf.int32, name="segment_ids"),
+        "masked_lm_positions": tf.TensorSpec([None, predictions], tf.int32, name="masked_lm_positions"),
+    }
+
+
+def model_inputs(batch: dict) -> dict:
+    """The features the model reads."""
+    return {k: batch[k] for k in MODEL_FEATURES}
+
+
+def batch_axes() -> dict:
+    """Logical axes of each batch feature (the input feed shards `batch`)."""
+    sequence, predictions = ("batch", "length"), ("batch", None)
+    return {
+        "input_ids": sequence, "input_mask": sequence, "segment_ids": sequence,
+        "masked_lm_positions": predictions, "masked_lm_ids": predictions, "masked_lm_weights": predictions,
+        "next_sentence_labels": ("batch",),
+        # The trainer finds the batch's mesh axis from the feature named "inputs".
+        "inputs": sequence,
+    }
+
+
+def synthetic_batch(config: BertConfig, batch_size: int, rng: np.random.Generator) -> dict:
+    """Random masked-LM examples of the experiment's shapes (train.synthetic_data=True).
+
+    Each row is a noisy repeating pattern of ids (so a masked token can be inferred from
+    its context) between [CLS] and [SEP], with a random-length padded tail, two segments,
+    max_predictions distinct masked positions ([MASK] in the input) of which a random
+    number are real, and a random next-sentence label.
+    """
+    length, predictions, vocab = config.seq_len, config.max_predictions, config.vocab_size
+    first = min(bert_data.FIRST_PIECE, vocab - 1)  # ids below are special tokens
+    period = 7
+    base = rng.integers(first, vocab, size=(batch_size, period))
+    ids = np.tile(base, (1, length // period + 1))[:, :length]
+    noise = rng.random(ids.shape) < 0.1
+    ids = np.where(noise, rng.integers(first, vocab, size=ids.shape), ids)
+    lengths = rng.integers(max(3, length // 2), length + 1, size=batch_size)  # [CLS] ... [SEP] per row
+    position = np.arange(length)[None, :]
+    input_mask = (position < lengths[:, None]).astype(np.int32)
+    ids[:, 0] = min(bert_data.CLS_ID, vocab - 1)
+    ids[np.arange(batch_size), lengths - 1] = min(bert_data.SEP_ID, vocab - 1)
+    ids = np.where(input_mask > 0, ids, 0)
+    segment_ids = ((position >= lengths[:, None] // 2) & (input_mask > 0)).astype(np.int32)
+    masked_positions = np.zeros((batch_size, predictions), np.int32)
+    masked_ids = np.zeros((batch_size, predictions), np.int32)
+    weights = np.zeros((batch_size, predictions), np.float32)
+    inputs = ids.copy()
+    for row in range(batch_size):
+        candidates = np.arange(1, lengths[row] - 1)
+        n = min(predictions, len(candidates), int(rng.integers(1, predictions + 1)))
+        chosen = np.sort(rng.choice(candidates, size=n, replace=False))
+        masked_positions[row, :n] = chosen
+        masked_ids[row, :n] = ids[row, chosen]
+        weights[row, :n] = 1.0
+        inputs[row, chosen] = min(bert_data.MASK_ID, vocab - 1)
+    return {
+        "input_ids": inputs.astype(np.int32),
+        "input_mask": input_mask,
+        "segment_ids": segment_ids,
+        "masked_lm_positions": masked_positions,
+        "masked_lm_ids": masked_ids,
+        "masked_lm_weights": weights,
+        "next_sentence_labels": rng.integers(0, 2, size=batch_size).astype(np.int32),
+    }
+
+
+def _cross_entropy(logits: tf.Tensor, labels: tf.Tensor) -> tf.Tensor:
+    """Per-position cross entropy, logsumexp minus the label's logit (picked with a one-hot
+    product), so vocab-sharded logits reduce with all-reduces instead of being gathered."""
+    label_logit = tf.reduce_sum(logits * tf.one_hot(labels, logits.shape[-1], dtype=logits.dtype), axis=-1)
+    return tf.reduce_logsumexp(logits, axis=-1) - label_logit
+
+
+def loss_and_metrics(model: BertPretrainer, batch: dict, training: bool):
+    """Masked-LM cross entropy averaged over the real predictions of the global batch,
+    plus (with next_sentence) the next-sentence cross entropy averaged over examples,
+    as Google's run_pretraining.py.
+
+    Returns:
+      (loss, {"loss_sum", "weight_sum", "masked_lm_loss", "next_sentence_loss"}) as
+      float32 scalars; loss_sum / weight_sum is the masked-LM loss.
+    """
+    mlm_logits, nsp_logits = model(model_inputs(batch), training=training, with_next_sentence=True)
+    weights = tf.cast(batch["masked_lm_weights"], tf.float32)  # [batch, predictions]
+    loss_sum = tf.reduce_sum(_cross_entropy(mlm_logits, batch["masked_lm_ids"]) * weights)
+    weight_sum = tf.reduce_sum(weights)
+    mlm_loss = loss_sum / tf.maximum(weight_sum, 1.0)
+    nsp_loss = tf.constant(0.0)
+    if nsp_logits is not None:
+        labels = tf.reshape(tf.cast(batch["next_sentence_labels"], tf.int32), [-1])  # [batch]
+        nsp_loss = tf.reduce_mean(_cross_entropy(nsp_logits, labels))
+    metrics = {"loss_sum": loss_sum, "weight_sum": weight_sum, "masked_lm_loss": mlm_loss,
+               "next_sentence_loss": nsp_loss}
+    return mlm_loss + nsp_loss, metrics
+
+
+def flops_per_token(config: BertConfig) -> float:
+    """Model FLOPs per trained token (forward + backward, 6 per multiply-add weight).
+
+    The encoder's matmuls (4 h^2 attention + 2 h i MLP per layer) and attention scores
+    and values (12 * layers * length * h, as in the PaLM appendix) for every token; the
+    masked-LM head (transform h^2 and the tied output layer vocab x h) for the
+    max_predictions positions of a row, and the pooler and NSP classifier once per row,
+    spread over the row's tokens.
+    """
+    h, layers, length = config.hidden_size, config.num_layers, config.seq_len
+    encoder = 6.0 * layers * (4 * h * h + 2 * h * config.intermediate_size) + 12.0 * layers * length * h
+    head = 6.0 * (h * h + config.vocab_size * h) * config.max_predictions / length
+    nsp = 6.0 * (h * h + 2 * h) / length if config.next_sentence else 0.0
+    return encoder + head + nsp
