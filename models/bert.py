@@ -272,8 +272,6 @@ def batch_axes() -> dict:
         "input_ids": sequence, "input_mask": sequence, "segment_ids": sequence,
         "masked_lm_positions": predictions, "masked_lm_ids": predictions, "masked_lm_weights": predictions,
         "next_sentence_labels": ("batch",),
-        # The trainer finds the batch's mesh axis from the feature named "inputs".
-        "inputs": sequence,
     }
 
 

@@ -116,5 +116,7 @@ def test_without_a_launcher_a_frozen_host_is_named_by_the_heartbeat(tmp_path):
             if p.poll() is None:
                 p.send_signal(signal.SIGCONT)
                 p.kill()
-    last = open(tmp_path / "host0.log").read().strip().splitlines()[-1]
-    assert last.startswith("error: lost host 1 of 2 (") and "relaunch the same command on every host" in last
+    # Our one line; the runtime's own gRPC teardown lines may print after it at exit.
+    errors_ = [l for l in open(tmp_path / "host0.log").read().splitlines() if l.startswith("error: ")]
+    assert errors_, open(tmp_path / "host0.log").read()[-2000:]
+    assert errors_[-1].startswith("error: lost host 1 of 2 (") and "relaunch the same command on every host" in errors_[-1]
