@@ -23,7 +23,9 @@ setup(
         "gin-config>=0.5",
         "sentencepiece>=0.2",
         "numpy>=1.26",
+        "sacrebleu>=2",
     ],
-    extras_require={"test": ["pytest>=8"]},
+    # tensorflow-serving-api: the tests build TF Serving PredictRequests (pinned to TF's minor version).
+    extras_require={"test": ["pytest>=8", "tensorflow-serving-api==2.20.*"]},
     entry_points={"console_scripts": ["tfpod=tfpod.main:console_main", "tfpod-launch=tfpod.launch:console_main"]},
 )

@@ -103,25 +103,36 @@ def train_vocab(lines: list[str], vocab_size: int, out_path: str, seed: int = 0)
 
     rng = random.Random(seed)
     sample = rng.sample(lines, min(SPM_SAMPLE_LINES, len(lines)))
-    with open(out_path, "wb") as f:
-        spm.SentencePieceTrainer.train(
-            sentence_iterator=iter(sample),
-            model_writer=f,
-            vocab_size=vocab_size,
-            model_type="bpe",
-            character_coverage=1.0,
-            byte_fallback=True,
-            remove_extra_whitespaces=False,
-            normalization_rule_name="identity",
-            allow_whitespace_only_pieces=True,
-            split_digits=True,
-            pad_id=PAD_ID, unk_id=UNK_ID, bos_id=BOS_ID, eos_id=EOS_ID,
-            user_defined_symbols=["[MASK]", "[CLS]", "[SEP]"],
-            input_sentence_size=0,
-            shuffle_input_sentence=False,
-            num_threads=2,
-            minloglevel=2,
-        )
+    try:
+        with open(out_path, "wb") as f:
+            _train_spm(spm, sample, f, vocab_size)
+    except RuntimeError as e:  # e.g. fewer pieces than the corpus has characters
+        if os.path.exists(out_path):
+            os.remove(out_path)
+        reason = str(e).split("]")[-1].strip() or str(e)
+        raise UserError(f"cannot train a {vocab_size}-piece SentencePiece vocabulary on the corpus ({reason}): "
+                        "use a larger vocab_size (2048 is the default)") from None
+
+
+def _train_spm(spm, sample: list[str], f, vocab_size: int) -> None:
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter(sample),
+        model_writer=f,
+        vocab_size=vocab_size,
+        model_type="bpe",
+        character_coverage=1.0,
+        byte_fallback=True,
+        remove_extra_whitespaces=False,
+        normalization_rule_name="identity",
+        allow_whitespace_only_pieces=True,
+        split_digits=True,
+        pad_id=PAD_ID, unk_id=UNK_ID, bos_id=BOS_ID, eos_id=EOS_ID,
+        user_defined_symbols=["[MASK]", "[CLS]", "[SEP]"],
+        input_sentence_size=0,
+        shuffle_input_sentence=False,
+        num_threads=2,
+        minloglevel=2,
+    )
 
 
 def _read_docs():
@@ -232,8 +243,12 @@ def main(argv=None) -> int:
     if any(v < 16 for v in sizes):
         print(f"error: --vocab_size={min(sizes)} is too small: use at least 16", file=sys.stderr)
         return 1
-    with cache_lock(data_dir):
-        manifest = prepare(data_dir, sizes, force=args.force)
+    try:
+        with cache_lock(data_dir):
+            manifest = prepare(data_dir, sizes, force=args.force)
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     print(json.dumps({"data_dir": data_dir, **manifest}))
     return 0
 

@@ -227,6 +227,14 @@ class BertPretrainer(tf_keras.Model):
         With `with_next_sentence` (and config.next_sentence): (masked-LM logits,
         next-sentence logits [batch, 2]).
         """
+        mlm_logits, pooled = self.outputs_and_pooled(inputs, training)
+        nsp_logits = tf.cast(self.next_sentence(pooled), tf.float32)  # [batch, 2] (built even when unused)
+        if not with_next_sentence:
+            return mlm_logits
+        return mlm_logits, (nsp_logits if self.config.next_sentence else None)
+
+    def outputs_and_pooled(self, inputs, training=None):
+        """(masked-LM logits [batch, predictions, vocab] float32, pooled [CLS] output [batch, hidden])."""
         outputs = self.encoder(
             {"input_word_ids": inputs["input_ids"], "input_mask": inputs["input_mask"],
              "input_type_ids": inputs["segment_ids"]},
@@ -237,10 +245,7 @@ class BertPretrainer(tf_keras.Model):
         # The encoder's pooler applied to the annotated sequence (the encoder's own pooled
         # output, computed from the unannotated one, is left unused).
         pooled = self.encoder.pooler_layer(sequence[:, 0, :])  # [batch, hidden]
-        nsp_logits = tf.cast(self.next_sentence(pooled), tf.float32)  # [batch, 2]
-        if not with_next_sentence:
-            return mlm_logits
-        return mlm_logits, (nsp_logits if self.config.next_sentence else None)
+        return mlm_logits, pooled
 
 
 def build(config: BertConfig) -> BertPretrainer:
@@ -364,3 +369,62 @@ def flops_per_token(config: BertConfig) -> float:
     head = 6.0 * (h * h + config.vocab_size * h) * config.max_predictions / length
     nsp = 6.0 * (h * h + 2 * h) / length if config.next_sentence else 0.0
     return encoder + head + nsp
+
+
+def serving(model: BertPretrainer, config: BertConfig, data_config) -> tuple[tf.Module, dict]:
+    """BERT's SavedModel signature (tfpod.export), on raw strings with [MASK] pieces.
+
+    A text is tokenized in the graph with the run's SentencePiece model (the [MASK] piece
+    written in the text becomes the mask id), cut to seq_len - 2 pieces and framed as
+    [CLS] text [SEP], one segment; the first max_predictions [MASK]s are predicted.
+
+      serving_default(text string [batch]) ->
+        predicted_ids int32 [batch, max_predictions]  the best piece at each [MASK]
+          (0 past the last [MASK])
+        predicted_tokens string [batch, max_predictions]  those pieces ("" past the last)
+        num_masks int32 [batch]  [MASK]s predicted
+        masked_lm_logits float32 [batch, max_predictions, vocab]
+        pooled_output float32 [batch, hidden]  the encoder's pooled [CLS] embedding
+    """
+    if not data_config.masked_online:
+        raise UserError("bert export needs the SentencePiece vocabulary of online masking to take raw strings; "
+                        "these records were tokenized by create_pretraining_data.py: set bert_data.vocab_path to "
+                        "a SentencePiece model with [MASK], [CLS] and [SEP] pieces")
+    from tfpod.input import pipeline, text as text_lib
+
+    vocab_path = pipeline.resolve(pipeline.LMDataConfig(vocab_path=data_config.vocab_path,
+                                                        vocab_size=data_config.vocab_size,
+                                                        data_dir=data_config.data_dir)).vocab_path
+    tokenizer = text_lib.load_tokenizer(vocab_path)
+    ids = bert_data.special_ids(tokenizer, vocab_path)
+    module = tf.Module()
+    module.model, module.tokenizer = model, tokenizer
+    length, predictions = config.seq_len, config.max_predictions
+
+    @tf.function(input_signature=[tf.TensorSpec([None], tf.string, name="text")])
+    def serving_default(texts):
+        rows = tf.shape(texts)[0]
+        pieces = tokenizer.tokenize(texts)[:, : length - 2]  # ragged [batch, pieces]
+        cls = tf.RaggedTensor.from_tensor(tf.fill([rows, 1], ids["cls"]))
+        sep = tf.RaggedTensor.from_tensor(tf.fill([rows, 1], ids["sep"]))
+        tokens = tf.concat([cls, pieces, sep], axis=1)
+        input_ids = tokens.to_tensor(0, shape=[None, length])  # [batch, length]
+        input_mask = tf.cast(tf.sequence_mask(tokens.row_lengths(), length), tf.int32)
+        is_mask = tf.equal(input_ids, ids["mask"])
+        rank = tf.cumsum(tf.cast(is_mask, tf.int32), axis=1) - 1  # [batch, length]: which [MASK] it is
+        slot = tf.one_hot(tf.where(is_mask & (rank < predictions), rank, -1), predictions, dtype=tf.int32)
+        positions = tf.einsum("blp,l->bp", slot, tf.range(length))  # [batch, predictions], 0 where none
+        weights = tf.reduce_sum(slot, axis=1)  # [batch, predictions]: 1 for a real [MASK]
+        logits, pooled = model.outputs_and_pooled(
+            {"input_ids": input_ids, "input_mask": input_mask, "segment_ids": tf.zeros_like(input_ids),
+             "masked_lm_positions": positions}, training=False)
+        best = tf.argmax(logits, axis=-1, output_type=tf.int32) * weights
+        return {
+            "predicted_ids": best,
+            "predicted_tokens": tf.where(weights > 0, tokenizer.id_to_string(best), ""),
+            "num_masks": tf.reduce_sum(weights, axis=1),
+            "masked_lm_logits": logits,
+            "pooled_output": tf.cast(pooled, tf.float32),
+        }
+
+    return module, {"serving_default": serving_default.get_concrete_function()}

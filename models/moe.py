@@ -52,6 +52,7 @@ from tfpod.models.gpt import (  # noqa: F401  (the same LM surface: batch contra
     batch_signature,
     input_signature,
     model_inputs,
+    serving,
     synthetic_batch,
 )
 from tfpod.sharding import AxisRule, shard

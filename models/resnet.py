@@ -264,3 +264,30 @@ def flops_per_token(config: ResNetConfig) -> float:
     counting a multiply-add as 2 FLOPs. ResNet-50 at 224: 4.1 GMACs, 8.2 GFLOPs forward,
     24.6 GFLOPs trained per image."""
     return 3.0 * 2.0 * forward_macs(config)
+
+
+def serving(model: ResNetClassifier, config: ResNetConfig, data_config) -> tuple[tf.Module, dict]:
+    """The classifier's SavedModel signature (tfpod.export), on JPEG bytes.
+
+    Each image is decoded and center-cropped as in evaluation (image_data.eval_crop_fraction
+    of the shorter side, resized to image_size, normalized).
+
+      serving_default(image_bytes string [batch]) ->
+        classes int32 [batch, k], scores float32 [batch, k]  the k = min(5, num_classes)
+          best classes (0-based, as trained: the file label minus image_data.label_offset)
+          and their softmax probabilities, best first
+        logits float32 [batch, num_classes]
+    """
+    k = min(5, config.num_classes)
+    module = tf.Module()
+    module.model = model
+
+    @tf.function(input_signature=[tf.TensorSpec([None], tf.string, name="image_bytes")])
+    def serving_default(jpegs):
+        images = tf.map_fn(lambda jpeg: images_lib.eval_image(jpeg, data_config, config.image_size), jpegs,
+                           fn_output_signature=tf.TensorSpec([config.image_size, config.image_size, 3], tf.float32))
+        logits = model({"images": images}, training=False)  # [batch, classes]
+        scores, classes = tf.math.top_k(tf.nn.softmax(logits), k=k)
+        return {"classes": classes, "scores": scores, "logits": logits}
+
+    return module, {"serving_default": serving_default.get_concrete_function()}

@@ -64,7 +64,7 @@ def test_bad_mesh_is_one_line_and_nonzero(tmp_path):
          "input pattern '/nonexistent/*.tfrecord' matches no file"),
         ([], "eval", "--mode=eval: no checkpoints in"),
         (["train.synthetic_data=True"], "eval", "--mode=eval needs eval data"),
-        ([], "export", "--mode=export is not available yet"),
+        ([], "export", "--mode=export: no complete checkpoint in"),
     ],
 )
 def test_config_errors_are_one_clear_line(tmp_path, params, mode, needle):

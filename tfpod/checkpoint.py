@@ -18,6 +18,21 @@ from tfpod import UserError
 log = logging.getLogger("tfpod")
 
 
+def complete_steps(directory: str) -> list[int]:
+    """Steps of the checkpoints in `directory` whose index and every data shard are on disk, ascending.
+
+    A host that dies while saving leaves a checkpoint that the manager's bookkeeping
+    may already name but whose files are partial; such a one is skipped.
+    """
+    steps = []
+    for index in tf.io.gfile.glob(os.path.join(directory, "ckpt-*.index")):
+        prefix = index[: -len(".index")]
+        data = tf.io.gfile.glob(prefix + ".data-*-of-*")
+        if data and len(data) == int(data[0].rsplit("-of-", 1)[1]):
+            steps.append(int(prefix.rsplit("-", 1)[1]))
+    return sorted(steps)
+
+
 class CheckpointManager:
     """Saves and restores {name: trackable} under model_dir/checkpoints."""
 
@@ -34,18 +49,7 @@ class CheckpointManager:
         return self._manager.latest_checkpoint
 
     def complete_steps(self) -> list[int]:
-        """Steps of the checkpoints whose index and every data shard are on disk, ascending.
-
-        A host that dies while saving leaves a checkpoint that the manager's bookkeeping
-        may already name but whose files are partial; such a one is skipped.
-        """
-        steps = []
-        for index in tf.io.gfile.glob(os.path.join(self.directory, "ckpt-*.index")):
-            prefix = index[: -len(".index")]
-            data = tf.io.gfile.glob(prefix + ".data-*-of-*")
-            if data and len(data) == int(data[0].rsplit("-of-", 1)[1]):
-                steps.append(int(prefix.rsplit("-", 1)[1]))
-        return sorted(steps)
+        return complete_steps(self.directory)
 
     def restore(self, path: str) -> int:
         """Restores a given checkpoint (a prefix such as model_dir/checkpoints/ckpt-40)."""

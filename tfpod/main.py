@@ -23,9 +23,6 @@ from tfpod import UserError
 
 FLAGS = flags.FLAGS
 MODES = ("train", "eval", "train_and_eval", "export")
-_LATER = {
-    "export": "SavedModel export for TF Serving (issue #8)",
-}
 
 flags.DEFINE_multi_string("gin_file", [], "gin config file(s), applied in order (gin/ is searched too)")
 flags.DEFINE_multi_string("gin_param", [], "gin binding(s), e.g. train.steps=200; applied after the files")
@@ -34,7 +31,9 @@ flags.DEFINE_enum("mode", "train", MODES, "what to do")
 flags.DEFINE_string("mesh", None, "mesh spec, e.g. data:-1,model:2 (default: experiment.mesh)")
 flags.DEFINE_integer("cpu_devices", None, "split the host CPU into this many logical devices")
 flags.DEFINE_string("device_type", None, "TPU, GPU or CPU (default: auto-detect, in that order)")
-flags.DEFINE_string("checkpoint", None, "--mode=eval: checkpoint to evaluate, e.g. D/checkpoints/ckpt-40 (default: newest)")
+flags.DEFINE_string("checkpoint", None,
+                    "--mode=eval/export: checkpoint to evaluate or export, e.g. D/checkpoints/ckpt-40 (default: newest)")
+flags.DEFINE_string("model_name", None, "--mode=export: the name TF Serving serves the model under (default: the model)")
 flags.DEFINE_integer("num_hosts", None, "hosts in a multi-host job (default: $DTENSOR_NUM_CLIENTS, else 1)")
 flags.DEFINE_integer("host_id", None, "this host's index (default: $DTENSOR_CLIENT_ID)")
 flags.DEFINE_string("host_addresses", None, "host:port of every host, comma-separated, in host order ($DTENSOR_JOBS)")
@@ -139,6 +138,14 @@ def _build_config(name: str):
         raise UserError(f"gin config for {name}.*: {_one_line(e)}") from None
 
 
+def build_task_configs():
+    """(task module, model config, data config) from the parsed gin config."""
+    from tfpod.models import get_task
+
+    task = get_task(_build_config("experiment").model)
+    return task, _build_config(task.NAME), _build_config(task.DATA)
+
+
 def setup_logging(verbose: bool = False) -> None:
     """tfpod's progress lines on stderr; other libraries' INFO chatter only when verbose."""
     from absl import logging as absl_logging
@@ -164,13 +171,17 @@ def run(
     cpu_devices: int | None = None,
     device_type: str | None = None,
     checkpoint: str | None = None,
+    model_name: str | None = None,
 ) -> dict:
     """Parses the config, starts the runtime and runs `mode`. Returns the mode's result."""
     if not model_dir:
         raise UserError("--model_dir is required: the folder for checkpoints, config.gin and metrics")
-    if mode in _LATER:
-        raise UserError(f"--mode={mode} is not available yet: {_LATER[mode]} is still to be built; use --mode=train")
     parse_config(gin_files, gin_params)
+    if mode == "export":  # a plain single-device copy: no mesh, no runtime
+        from tfpod import export
+
+        task, model_config, data_config = build_task_configs()
+        return export.export(task, model_config, data_config, model_dir, checkpoint, model_name)
     experiment = _build_config("experiment")
     from tfpod.models import get_task
 
@@ -238,7 +249,7 @@ def main(argv) -> None:
 
         runtime.configure_hosts(FLAGS.num_hosts, FLAGS.host_id, FLAGS.host_addresses)
         run(FLAGS.gin_file, FLAGS.gin_param, FLAGS.model_dir, FLAGS.mode, FLAGS.mesh, FLAGS.cpu_devices, FLAGS.device_type,
-            FLAGS.checkpoint)
+            FLAGS.checkpoint, FLAGS.model_name)
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         if FLAGS.verbosity >= 1:

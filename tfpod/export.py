@@ -1,0 +1,165 @@
+"""SavedModel export for TF Serving: a trained checkpoint -> model_dir/export/<name>/<version>/.
+
+    python main.py --gin_file=gin/lm_tiny.gin --model_dir=runs/lm_tiny --mode=export
+    tfpod.export.saved_model("runs/lm_tiny")           # from Python: the run's own config.gin
+
+A SavedModel keeps no DTensor layouts, so the export is a plain single-device copy of the
+model: the task's model is built without a mesh and the checkpoint is read into it. A
+checkpoint holds every variable whole (each host wrote its shards with their slice of
+the full shape), so whatever mesh and host count trained it, the restore gathers it;
+optimizer state is left out.
+
+The serving graph is the task's `serving(model, model_config, data_config)`: signatures
+whose first dimension (the batch) is dynamic and whose inputs are what a client has: raw
+strings for the text models (the tensorflow-text tokenizer is inside the graph), JPEG
+bytes for the image model. Loading the export needs only tensorflow and
+tensorflow_text (for the tokenizer ops).
+
+Versions are integers, a new one per export (the highest present + 1): TF Serving's
+model server watches `export/<name>/` and serves the newest. Each version is written to
+a temporary folder and renamed into place when complete, so the server never sees a
+partial one and an earlier version is never touched.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import shutil
+import tempfile
+
+import tensorflow as tf
+
+from tfpod import UserError
+
+log = logging.getLogger("tfpod")
+
+
+def checkpoint_path(model_dir: str, checkpoint: str | None = None) -> str:
+    """The checkpoint to export: the given prefix, or the newest complete one in model_dir."""
+    from tfpod.checkpoint import complete_steps
+
+    if checkpoint:
+        if not tf.io.gfile.exists(checkpoint + ".index"):
+            raise UserError(f"--checkpoint={checkpoint}: no such checkpoint (expected {checkpoint}.index)")
+        return checkpoint
+    directory = os.path.join(model_dir, "checkpoints")
+    steps = complete_steps(directory)
+    if not steps:
+        raise UserError(f"--mode=export: no complete checkpoint in {directory}: train there first, "
+                        "or pass --model_dir of a trained run")
+    return os.path.join(directory, f"ckpt-{steps[-1]}")
+
+
+def single_device_model(task, model_config, path: str):
+    """The task's model built without a mesh, every weight read whole from checkpoint `path`."""
+    model = task.build(model_config)
+    example = {k: tf.zeros([1] + list(s.shape[1:]), s.dtype) for k, s in task.input_signature(model_config).items()}
+    model(task.model_inputs(example), training=False)  # creates the variables
+    status = tf.train.Checkpoint(model=model).restore(path)
+    try:
+        status.assert_existing_objects_matched()
+    except (AssertionError, ValueError) as e:
+        raise UserError(f"checkpoint {path} does not fit this model ({str(e).splitlines()[0]}): "
+                        "export with the gin config it was trained with") from None
+    status.expect_partial()  # the optimizer's state is not exported
+    return model
+
+
+def next_version(base: str) -> int:
+    """1 + the highest integer version folder under base (1 when there is none)."""
+    versions = [int(d) for d in (os.listdir(base) if os.path.isdir(base) else []) if re.fullmatch(r"\d+", d)]
+    return max(versions, default=0) + 1
+
+
+def write(module: tf.Module, signatures: dict, base: str) -> str:
+    """Saves `module` with `signatures` as the next version under base; returns its folder."""
+    os.makedirs(base, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=".partial-", dir=base)
+    quiet = _DropKerasConfigWarning()
+    logging.getLogger("tensorflow").addFilter(quiet)
+    try:
+        tf.saved_model.save(module, tmp, signatures=signatures)
+        while True:  # another export may take a version number between our check and rename
+            final = os.path.join(base, str(next_version(base)))
+            try:
+                os.rename(tmp, final)
+                return final
+            except OSError:
+                if not os.path.exists(final):
+                    raise
+    finally:
+        logging.getLogger("tensorflow").removeFilter(quiet)
+        if os.path.exists(tmp):
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+class _DropKerasConfigWarning(logging.Filter):
+    """tf_keras warns that each model's config cannot be serialized; the export serves
+    signatures, not Keras configs, so the warning says nothing useful here."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "non-serializable objects" not in record.getMessage()
+
+
+def _input_specs(fn) -> dict:
+    """{input name: TensorSpec} of a concrete function (positional specs by their names)."""
+    args, kwargs = fn.structured_input_signature
+    return {**{s.name: s for s in args}, **kwargs}
+
+
+def export(task, model_config, data_config, model_dir: str, checkpoint: str | None = None,
+           model_name: str | None = None) -> dict:
+    """Exports a checkpoint of model_dir as a SavedModel for TF Serving.
+
+    Args:
+      task: the task module (tfpod.models.get_task).
+      model_config, data_config: the configs the run was trained with (the data config
+        gives the tokenizer).
+      model_dir: the run's folder.
+      checkpoint: a checkpoint prefix; None: the newest complete one.
+      model_name: the name TF Serving serves it under (default: the task's NAME).
+
+    Returns:
+      {"export_dir", "version", "step", "signatures": {name: {"inputs", "outputs"}}}.
+    """
+    if not hasattr(task, "serving"):
+        raise UserError(f"experiment.model={task.NAME!r} has no serving signatures to export")
+    path = checkpoint_path(model_dir, checkpoint)
+    model = single_device_model(task, model_config, path)
+    module, signatures = task.serving(model, model_config, data_config)
+    base = os.path.join(model_dir, "export", model_name or task.NAME)
+    final = write(module, signatures, base)
+    described = {
+        name: {"inputs": {k: f"{s.dtype.name}{s.shape}" for k, s in _input_specs(fn).items()},
+               "outputs": {k: f"{s.dtype.name}{s.shape}" for k, s in fn.structured_outputs.items()}}
+        for name, fn in signatures.items()
+    }
+    step = int(path.rsplit("-", 1)[1])
+    log.info("exported %s (step %d) to %s: signatures %s", path, step, final, ", ".join(sorted(described)))
+    return {"export_dir": final, "version": int(os.path.basename(final)), "step": step, "signatures": described}
+
+
+def saved_model(model_dir: str, checkpoint: str | None = None, model_name: str | None = None,
+                gin_params: list[str] | None = None) -> dict:
+    """Exports a run from Python, configured by the config.gin its training wrote.
+
+    Args:
+      model_dir: a trained run's folder (holds config.gin and checkpoints/).
+      checkpoint: a checkpoint prefix; None: the newest complete one.
+      model_name: TF Serving's name for it (default: the model's task name).
+      gin_params: bindings applied after config.gin (e.g. a different lm_data.vocab_path).
+
+    Returns:
+      export()'s result.
+    """
+    from tfpod.main import build_task_configs, parse_config
+
+    config = os.path.join(model_dir, "config.gin")
+    if not os.path.exists(config):
+        raise UserError(f"{config} does not exist: export a folder a tfpod run trained in, or use "
+                        "main.py --mode=export with the run's gin files")
+    parse_config([config], list(gin_params or ()))
+    task, model_config, data_config = build_task_configs()
+    return export(task, model_config, data_config, model_dir, checkpoint, model_name)
