@@ -28,3 +28,23 @@ class UserError(Exception):
     main.py prints the message as one line and exits non-zero (tracebacks only at
     debug verbosity).
     """
+
+
+# Public names, imported on first use so `import tfpod` stays free of TensorFlow:
+#   tfpod.make_mesh("data:-1,model:2")        -> tfpod.mesh.make_mesh
+#   with tfpod.sharding(mesh, rules=...): ... -> tfpod.keras.sharding (tfpod.sharding is the
+#                                                partitioning module, callable; see its end)
+#   tfpod.keras.Checkpoint, tfpod.input.to_mesh
+_LAZY = {"make_mesh": ("tfpod.mesh", "make_mesh")}
+_SUBMODULES = ("sharding", "keras", "mesh", "runtime", "input")
+
+
+def __getattr__(name):
+    import importlib
+
+    if name in _LAZY:
+        module, attr = _LAZY[name]
+        return getattr(importlib.import_module(module), attr)
+    if name in _SUBMODULES:
+        return importlib.import_module(f"{__name__}.{name}")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

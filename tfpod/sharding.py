@@ -540,3 +540,23 @@ class ShardingConfig:
         """Keyword arguments of tfpod.trainer.Trainer: table, update_axis, gather_axis."""
         return {"table": self.table(default_preset), "update_axis": self.optimizer_axis(default_preset),
                 "gather_axis": self.gather_axis(default_preset)}
+
+
+# ---------------------------------------------------------------------------
+# `with tfpod.sharding(mesh, rules=...):` for Keras users (tfpod/keras.py). This module
+# stays a module (`from tfpod import sharding; sharding.shard(...)`); calling it builds
+# a tfpod.keras.KerasSharding scope.
+
+import sys as _sys  # noqa: E402
+import types as _types  # noqa: E402
+
+
+class _CallableModule(_types.ModuleType):
+    def __call__(self, mesh, rules=None, **kwargs):
+        """tfpod.keras.sharding(mesh, rules, preset=..., overrides=..., cover_all=...)."""
+        from tfpod import keras
+
+        return keras.sharding(mesh, rules, **kwargs)
+
+
+_sys.modules[__name__].__class__ = _CallableModule

@@ -1,0 +1,266 @@
+"""Keras users' models trained sharded with model.fit (tfpod.keras) on 8 logical CPU devices.
+
+Every sharded run is compared with the same tf_keras model fit unsharded (no mesh,
+one device) from the same initial weights on the same batches: per-epoch losses,
+evaluate and predict must agree (relative 1e-4), and the variables must really be
+split (their DTensor layouts).
+"""
+
+import os
+
+import numpy as np
+import pytest
+import tensorflow as tf
+import tf_keras
+from tensorflow.experimental import dtensor
+
+import tfpod
+from tfpod import UserError
+from tfpod import keras as tk
+
+BATCH, FEATURES, CLASSES = 32, 16, 4
+
+# Megatron-style MLP: the first kernel split by columns, the second by rows (one
+# all-reduce); logical axes through the `tensor` preset (mlp -> model).
+FUNCTIONAL_RULES = {
+    r"hidden\.kernel": ("embed", "mlp"),
+    r"hidden\.bias": ("mlp",),
+    r"project\.kernel": ("mlp", "embed"),
+}
+# The same with mesh axes named directly, for a subclassed model's object paths.
+SUBCLASSED_RULES = [
+    (r"blocks\.\d+\.up\.kernel", (None, "model")),
+    (r"blocks\.\d+\.up\.bias", ("model",)),
+    (r"blocks\.\d+\.down\.kernel", ("model", None)),
+]
+
+
+def data(n=128, seed=0):
+    rng = np.random.RandomState(seed)
+    x = rng.randn(n, FEATURES).astype("float32")
+    y = (x[:, :CLASSES] + 0.3 * rng.randn(n, CLASSES)).argmax(-1).astype("int32")
+    return x, y
+
+
+def batches(x, y, batch=BATCH, **kwargs):
+    return tf.data.Dataset.from_tensor_slices((x, y)).batch(batch, **kwargs)
+
+
+def functional():
+    inputs = tf_keras.Input((FEATURES,))
+    h = tf_keras.layers.Dense(64, activation="relu", name="hidden")(inputs)
+    h = tf_keras.layers.Dense(FEATURES, name="project")(h)
+    h = tf_keras.layers.LayerNormalization(name="norm")(h + inputs)
+    return tf_keras.Model(inputs, tf_keras.layers.Dense(CLASSES, name="head")(h))
+
+
+class Block(tf_keras.layers.Layer):
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.up = tf_keras.layers.Dense(32, activation="gelu")
+        self.down = tf_keras.layers.Dense(FEATURES)
+
+    def call(self, x):
+        return x + self.down(self.up(x))
+
+
+class Subclassed(tf_keras.Model):
+    def __init__(self):
+        super().__init__()
+        self.blocks = [Block() for _ in range(2)]
+        self.head = tf_keras.layers.Dense(CLASSES)
+
+    def call(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+def compile_(model, optimizer="adam", steps_per_execution=1, metrics=("accuracy",)):
+    model.compile(optimizer=optimizer, steps_per_execution=steps_per_execution, metrics=list(metrics),
+                  loss=tf_keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+
+
+def assert_close(a, b, rtol=1e-4):
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    assert a.shape == b.shape, (a.shape, b.shape)
+    np.testing.assert_allclose(a, b, rtol=rtol, atol=1e-6)
+
+
+def specs(model):
+    return {v.name.split(":")[0]: tuple(tk.layout_of(v).sharding_specs) for v in model.weights}
+
+
+@pytest.fixture(scope="module")
+def mesh42():
+    return tfpod.make_mesh("data:4,model:2")
+
+
+def test_functional_fit_evaluate_predict_match_unsharded(mesh42):
+    x, y = data()
+    vx, vy = data(64, seed=1)
+    tf_keras.utils.set_random_seed(0)
+    with tfpod.sharding(mesh42, rules=FUNCTIONAL_RULES) as placed:
+        model = functional()
+    layouts = specs(model)
+    assert layouts["hidden/kernel"] == (dtensor.UNSHARDED, "model")
+    assert layouts["hidden/bias"] == ("model",)
+    assert layouts["project/kernel"] == ("model", dtensor.UNSHARDED)
+    assert layouts["head/kernel"] == (dtensor.UNSHARDED, dtensor.UNSHARDED)  # no rule: replicated
+    assert "replicated (no rule): 5 of 8 variables" in placed.report()
+
+    tf_keras.utils.set_random_seed(0)
+    plain = functional()
+    # Same seed, same initial values: they are computed replicated, then split.
+    for a, b in zip(model.get_weights(), plain.get_weights()):
+        np.testing.assert_array_equal(a, b)
+
+    compile_(model, "adam", steps_per_execution=4)  # one host call per epoch of 4 steps
+    compile_(plain, "adam")
+    train, val = batches(x, y, drop_remainder=True), batches(vx, vy, drop_remainder=True)
+    sharded = model.fit(tk.to_mesh(train, mesh42), epochs=2, verbose=0)
+    reference = plain.fit(train, epochs=2, verbose=0)
+    for key in ("loss", "accuracy"):
+        assert_close(sharded.history[key], reference.history[key])
+    # Optimizer state lives beside its weight: Adam's moments split like the kernels.
+    slots = {v.name: tuple(tk.layout_of(v).sharding_specs) for v in model.optimizer.variables}
+    assert slots["Adam/m/hidden/kernel:0"] == (dtensor.UNSHARDED, "model")
+    assert_close(model.evaluate(tk.to_mesh(val, mesh42), verbose=0), plain.evaluate(val, verbose=0))
+    predicted = model.predict(tk.to_mesh(val, mesh42), verbose=0)
+    assert predicted.shape == (64, CLASSES)
+    assert_close(predicted, plain.predict(val, verbose=0))
+
+
+def test_checkpoint_resume_early_stopping_and_tensorboard(mesh42, tmp_path):
+    x, y = data()
+    train = batches(x, y, drop_remainder=True)  # 4 steps per epoch
+
+    def sharded_model():
+        tf_keras.utils.set_random_seed(0)
+        with tfpod.sharding(mesh42, rules=FUNCTIONAL_RULES):
+            model = functional()
+        compile_(model, tf_keras.optimizers.Adam(1e-3))  # an instance: re-created on the mesh
+        return model
+
+    tf_keras.utils.set_random_seed(0)
+    plain = functional()
+    compile_(plain, tf_keras.optimizers.Adam(1e-3))
+    uninterrupted = plain.fit(train, epochs=4, verbose=0).history["loss"]
+
+    model_dir = str(tmp_path / "run")
+    first = sharded_model().fit(
+        tk.to_mesh(train, mesh42), epochs=2, verbose=0,
+        callbacks=[tk.Checkpoint(model_dir, keep=2), tf_keras.callbacks.TensorBoard(str(tmp_path / "tb"), write_graph=False)],
+    )
+    assert_close(first.history["loss"], uninterrupted[:2])
+    checkpoints = os.path.join(model_dir, "checkpoints")
+    assert sorted(f for f in os.listdir(checkpoints) if f.endswith(".index")) == ["ckpt-4.index", "ckpt-8.index"]
+    assert any(f.startswith("events.out.tfevents") for f in os.listdir(tmp_path / "tb" / "train"))
+
+    # A new process's model (fresh initial weights) resumes at step 8 = epoch 2 of 4.
+    resumed_model = sharded_model()
+    callback = tk.Checkpoint(model_dir, keep=2)
+    resumed = resumed_model.fit(tk.to_mesh(train, mesh42), epochs=4, verbose=0, callbacks=[callback])
+    assert callback.restored_step == 8
+    assert_close(resumed.history["loss"], uninterrupted[2:])
+    assert sorted(f for f in os.listdir(checkpoints) if f.endswith(".index")) == ["ckpt-12.index", "ckpt-16.index"]
+
+    # EarlyStopping, restoring the best (here: the first) epoch's weights into the sharded variables.
+    stop = tf_keras.callbacks.EarlyStopping(monitor="loss", min_delta=10.0, patience=1, restore_best_weights=True)
+    seen = []
+    grab = tf_keras.callbacks.LambdaCallback(on_epoch_end=lambda epoch, logs: seen.append(resumed_model.get_weights()))
+    stopped = resumed_model.fit(tk.to_mesh(train, mesh42), epochs=20, verbose=0, callbacks=[grab, stop])
+    assert len(stopped.history["loss"]) == 2 and stop.stopped_epoch == 1
+    final = resumed_model.get_weights()
+    assert all(np.array_equal(a, b) for a, b in zip(final, seen[0]))
+    assert not all(np.array_equal(a, b) for a, b in zip(final, seen[1]))
+    assert tuple(tk.layout_of(resumed_model.layers[1].kernel).sharding_specs) == (dtensor.UNSHARDED, "model")
+
+
+def test_subclassed_fit_matches_unsharded_with_legacy_optimizer():
+    mesh = tfpod.make_mesh("data:2,model:4")
+    x, y = data()
+    with tfpod.sharding(mesh, rules=SUBCLASSED_RULES):
+        model = Subclassed()
+        model.build((None, FEATURES))
+    layouts = specs(model)
+    assert layouts["subclassed/block/dense/kernel"] == (dtensor.UNSHARDED, "model")
+    assert layouts["subclassed/block_1/dense_3/kernel"] == ("model", dtensor.UNSHARDED)
+    plain = Subclassed()
+    plain(tf.zeros((1, FEATURES)))
+    # A subclassed model's variables are placed in object-path order, not creation
+    # order, so the seed draws differ: start both from the same weights.
+    plain.set_weights(model.get_weights())
+    for a, b in zip(model.get_weights(), plain.get_weights()):
+        np.testing.assert_array_equal(a, b)
+    # A legacy optimizer (as tf-models-official's are) gets its slots as DVariables; a
+    # metric object is re-created with its state on the mesh.
+    top2 = lambda: tf_keras.metrics.SparseTopKCategoricalAccuracy(2, name="top2")
+    compile_(model, tf_keras.optimizers.legacy.SGD(0.1, momentum=0.9), metrics=["accuracy", top2()])
+    compile_(plain, tf_keras.optimizers.legacy.SGD(0.1, momentum=0.9), metrics=["accuracy", top2()])
+    train, val = batches(x, y, drop_remainder=True), batches(*data(64, seed=1), drop_remainder=True)
+    sharded = model.fit(tk.to_mesh(train, mesh), validation_data=tk.to_mesh(val, mesh), epochs=2, verbose=0)
+    reference = plain.fit(train, validation_data=val, epochs=2, verbose=0)
+    for key in ("loss", "accuracy", "top2", "val_loss", "val_accuracy", "val_top2"):
+        assert_close(sharded.history[key], reference.history[key])
+    assert_close(model.predict(tk.to_mesh(train, mesh), verbose=0), plain.predict(train, verbose=0))
+    momentum = model.optimizer.get_slot(model.blocks[0].up.kernel, "momentum")
+    assert tuple(tk.layout_of(momentum).sharding_specs) == (dtensor.UNSHARDED, "model")
+
+
+def test_to_mesh_rows_partial_batches_and_errors(mesh42):
+    x = np.arange(100 * 3, dtype="float32").reshape(100, 3)
+    y = np.arange(100, dtype="int32")
+    ds = tk.to_mesh(batches(x, y), mesh42)  # 3 full batches of 32, then 4 rows: dropped
+    got = [(dtensor.fetch_layout(bx).sharding_specs, tk.get_values([by])[0]) for bx, by in ds]
+    assert [g[1][0] for g in got] == [0, 32, 64] and all(len(g[1]) == 32 for g in got)
+    assert got[0][0] == ["data", dtensor.UNSHARDED]
+    # Each data shard holds 8 consecutive rows of the global batch (both model devices alike).
+    bx, _ = next(iter(ds))
+    shards = [s.numpy() for s in dtensor.unpack(bx)]
+    np.testing.assert_array_equal(shards[2], x[8:16])  # device 2 = data 1, model 0
+    np.testing.assert_array_equal(shards[3], x[8:16])  # device 3 = data 1, model 1
+    assert tk.to_mesh(batches(x, y, drop_remainder=True), mesh42).cardinality().numpy() == 3
+    with pytest.raises(UserError, match=r"global_batch_size=30 does not divide over mesh axis 'data' of size 4"):
+        tk.to_mesh(batches(x, y, batch=30, drop_remainder=True), mesh42)
+    with pytest.raises(UserError, match=r"batch_axis='batch' is not an axis of the mesh \(data, model\)"):
+        tk.to_mesh(batches(x, y), mesh42, batch_axis="batch")
+
+
+def one_line(excinfo) -> str:
+    text = str(excinfo.value)
+    assert "\n" not in text
+    return text
+
+
+def test_bad_rules_stop_with_one_line(mesh42):
+    def build(rules, **kwargs):
+        with tfpod.sharding(mesh42, rules=rules, **kwargs):
+            model = functional()
+        compile_(model)
+        return model
+
+    build({r"head\.kernel": (None, "model")})  # 4 classes split over model:2; over model:8 they do not divide
+    mesh = tfpod.make_mesh("model:8")
+    with pytest.raises(UserError) as e:
+        with tfpod.sharding(mesh, rules={r"head\.kernel": (None, "model")}):
+            functional()
+    assert one_line(e) == (
+        "variable head.kernel (16, 4): dimension 1 (model, size 4) does not divide over mesh axis 'model' of size 8 "
+        "(rule 'head\\\\.kernel'): change the model size, the mesh, or map 'model' to no mesh axis in sharding.rules"
+    )
+    with pytest.raises(UserError) as e:
+        tfpod.sharding(mesh42, rules={r"hidden\.kernel": ("embed", "modle")})
+    assert "unknown axis 'modle'" in one_line(e) and "(data, model)" in one_line(e)
+    with pytest.raises(UserError) as e:
+        build({r"hidden\.kernel": ("embed",)})
+    assert "has rank 2 but rule" in one_line(e)
+    with pytest.raises(UserError) as e:
+        build({r"hidden\.kernel": ("embed", "mlp"), r".*kernel": (None, None)})
+    assert "is matched by two sharding rules" in one_line(e)
+    with pytest.raises(UserError) as e:
+        build({r"dense\.kernel": (None, "mlp")})
+    assert one_line(e).startswith("sharding rule 'dense\\\\.kernel' (None, 'mlp') matches no variable")
+    with pytest.raises(UserError) as e:
+        build(FUNCTIONAL_RULES, cover_all=True)
+    assert "matches no sharding rule" in one_line(e)
