@@ -8,9 +8,9 @@ input: DATA (the gin name of its data config), DataConfig, and
 make_input(data_config, model_config, num_hosts, host_id, seed) -> tfpod.input.pipeline.TaskInput.
 """
 
-from tfpod.models import bert, gpt, moe, resnet
+from tfpod.models import bert, gpt, moe, resnet, transformer
 
-TASKS = {gpt.NAME: gpt, moe.NAME: moe, bert.NAME: bert, resnet.NAME: resnet}
+TASKS = {gpt.NAME: gpt, moe.NAME: moe, bert.NAME: bert, resnet.NAME: resnet, transformer.NAME: transformer}
 
 
 def get_task(name: str):

@@ -123,11 +123,12 @@ def host_sum(values, mesh: dtensor.Mesh) -> np.ndarray:
     the reduction over every mesh axis counts each host once. Every host must call it.
     """
     values = np.asarray(values, np.float64).reshape([-1])
-    shape = [1] * mesh.rank + [values.size]
+    rank = len(mesh.dim_names)
+    shape = [1] * rank + [values.size]
     layout = dtensor.Layout(list(mesh.dim_names) + [dtensor.UNSHARDED], mesh)
     local = [tf.constant(values if i == 0 else np.zeros_like(values), tf.float64, shape=shape)
              for i, _ in enumerate(mesh.local_devices())]
-    reduced = tf.reduce_sum(dtensor.pack(local, layout), axis=list(range(mesh.rank)))  # [n], replicated
+    reduced = tf.reduce_sum(dtensor.pack(local, layout), axis=list(range(rank)))  # [n], replicated
     return dtensor.unpack(reduced)[0].numpy()
 
 

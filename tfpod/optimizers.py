@@ -28,7 +28,7 @@ from official.modeling.optimization import lamb, lars, legacy_adamw, lr_schedule
 from tfpod import UserError, sharding
 
 OPTIMIZERS = ("adamw", "lamb", "lars", "sgd")
-DECAYS = ("cosine", "linear", "polynomial", "constant")
+DECAYS = ("cosine", "linear", "polynomial", "rsqrt", "constant")
 
 
 @dataclasses.dataclass
@@ -39,7 +39,9 @@ class OptimizerConfig:
       name: adamw (Model Garden AdamWeightDecay), lamb, lars, or sgd (momentum).
       learning_rate: peak learning rate, reached at the end of warmup.
       warmup_steps: linear warmup from 0 (Model Garden LinearWarmup).
-      decay: schedule after warmup: cosine, linear, polynomial, or constant.
+      decay: schedule after warmup: cosine, linear, polynomial, rsqrt (learning_rate *
+        sqrt(warmup_steps / step), the Transformer's; ignores decay_steps and
+        end_learning_rate_ratio), or constant.
       decay_steps: steps of the decay (None: the run's train.steps).
       end_learning_rate_ratio: final learning rate as a fraction of the peak.
       power: exponent of the polynomial decay.
@@ -95,6 +97,9 @@ def learning_rate_schedule(cfg: OptimizerConfig, total_steps: int):
             power=1.0 if cfg.decay == "linear" else cfg.power,
             offset=cfg.warmup_steps,
         )
+    elif cfg.decay == "rsqrt":  # Model Garden's power schedule with power -0.5, peak at the warmup's end
+        schedule = lr_schedule.DirectPowerDecay(
+            initial_learning_rate=cfg.learning_rate * max(cfg.warmup_steps, 1) ** 0.5, power=-0.5)
     else:
         schedule = cfg.learning_rate
     if cfg.warmup_steps:
