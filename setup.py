@@ -26,6 +26,6 @@ setup(
         "sacrebleu>=2",
     ],
     # tensorflow-serving-api: the tests build TF Serving PredictRequests (pinned to TF's minor version).
-    extras_require={"test": ["pytest>=8", "tensorflow-serving-api==2.20.*"]},
+    extras_require={"test": ["pytest>=8", "pytest-xdist>=3", "tensorflow-serving-api==2.20.*"]},
     entry_points={"console_scripts": ["tfpod=tfpod.main:console_main", "tfpod-launch=tfpod.launch:console_main"]},
 )
