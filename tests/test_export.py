@@ -1,4 +1,4 @@
-"""SavedModel export for TF Serving: each task's checkpoint, trained sharded on 8 logical
+"""SavedModel export for TF Serving: each task's checkpoint (LM, BERT, ResNet, Transformer), trained sharded on 8 logical
 devices, exported as a plain single-device SavedModel; `saved_model_cli` lists its
 signatures; a fresh process with only tensorflow and tensorflow_text loads it and gives
 the outputs of the sharded training-time model (relative 1e-5); a TF Serving
@@ -18,7 +18,7 @@ from tfpod import UserError, export, optimizers, sharding
 from tfpod.input import feed, images, prepare, text
 from tfpod.main import run
 from tfpod.mesh import make_mesh
-from tfpod.models import bert, gpt, resnet
+from tfpod.models import bert, gpt, resnet, transformer
 from tfpod.trainer import TrainConfig, Trainer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -130,12 +130,30 @@ def exports(tmp_path_factory):
     jobs["resnet"] = {"dir": res_export["export_dir"],
                       "calls": {"serving_default": {"image_bytes": [j.decode("latin-1") for j in jpegs]}}}
 
+    tr_cfg = transformer.TransformerConfig(vocab_size=2048, src_len=16, tgt_len=8, encoder_layers=1, decoder_layers=1,
+                                           hidden_size=64, num_heads=8, intermediate_size=128, dropout=0.0,
+                                           attention_dropout=0.0, intermediate_dropout=0.0, decode_max_length=6)
+    t = restored_trainer_after_save(transformer, tr_cfg, base / "transformer")
+    tr_export = export.export(transformer, tr_cfg, transformer.DataConfig(), str(base / "transformer"))
+    sources = ["def close(self):\n    self._file.close()\n", "return x + 1", "", "class A:\n    pass"]
+    tokenizer = sp()
+    source_ids = np.zeros([4, 16], np.int32)
+    for i, src in enumerate(sources):
+        row = tokenizer.tokenize(tf.constant(src)).numpy().tolist()[:15] + [prepare.EOS_ID]
+        source_ids[i, : len(row)] = row
+    decoded = on_host(sharded_forward(t, lambda m, b: transformer.greedy_decode(m, b["inputs"], 6),
+                                      {"inputs": source_ids}))
+    before_eos = np.cumsum(decoded == prepare.EOS_ID, axis=1) == 0
+    expected["transformer/serving_default/ids"] = np.where(before_eos, decoded, 0)
+    jobs["transformer"] = {"dir": tr_export["export_dir"], "calls": {"serving_default": {"text": sources}}}
+
     (base / "jobs.json").write_text(json.dumps(jobs))
     clean = {k: v for k, v in os.environ.items() if not k.startswith(("TF_USE_LEGACY_KERAS", "TFPOD", "PYTHONPATH"))}
     proc = subprocess.run([sys.executable, "-c", LOADER, str(base / "jobs.json"), str(base / "out.npz")],
                           capture_output=True, text=True, timeout=600, cwd=str(base), env=clean)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    return {"first": first, "second": second, "bert": bert_export, "resnet": res_export, "expected": expected,
+    return {"first": first, "second": second, "bert": bert_export, "resnet": res_export, "transformer": tr_export,
+            "expected": expected,
             "served": dict(np.load(base / "out.npz")), "imported": json.loads(proc.stdout.strip().splitlines()[-1]),
             "lm_dir": lm_dir}
 
@@ -177,10 +195,13 @@ def test_fresh_process_gives_the_sharded_models_outputs(exports):
     top = np.argsort(-expected["resnet/serving_default/logits"], axis=1)[:, :5]
     assert (served["resnet/serving_default/classes"] == top).all()
     np.testing.assert_allclose(served["resnet/serving_default/scores"].sum(1) <= 1.0 + 1e-6, True)
+    # The translator: the served greedy decode is the sharded model's, token for token.
+    np.testing.assert_array_equal(served["transformer/serving_default/ids"], expected["transformer/serving_default/ids"])
+    assert served["transformer/serving_default/translation"].shape == (4,)
 
 
 def test_saved_model_cli_lists_string_signatures(exports):
-    dirs = [exports["second"]["export_dir"], exports["bert"]["export_dir"], exports["resnet"]["export_dir"]]
+    dirs = [exports[k]["export_dir"] for k in ("second", "bert", "resnet", "transformer")]
     script = "; ".join(f"saved_model_cli show --all --dir {d}" for d in dirs)
     proc = subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
@@ -189,13 +210,13 @@ def test_saved_model_cli_lists_string_signatures(exports):
         assert sig in out
     for name in ("inputs['text']", "inputs['max_new_tokens']", "inputs['image_bytes']"):
         assert name in out
-    assert out.count("dtype: DT_STRING\n        shape: (-1)") >= 4  # every string input has a dynamic batch
+    assert out.count("dtype: DT_STRING\n        shape: (-1)") >= 5  # every string input has a dynamic batch
 
 
 def test_predict_request_has_exactly_the_signature_inputs(exports):
     from tensorflow_serving.apis import predict_pb2
 
-    for job in ("second", "bert", "resnet"):
+    for job in ("second", "bert", "resnet", "transformer"):
         described = exports[job]["signatures"]
         loaded = tf.saved_model.load(exports[job]["export_dir"])
         for name, sig in described.items():
