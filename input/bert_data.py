@@ -113,16 +113,8 @@ class BertDataConfig:
 
 def _first_example(path: str) -> tf.train.Example:
     """The first record of a file, parsed (to check names and shapes before training)."""
-    try:
-        for record in tf.data.TFRecordDataset(path).take(1):
-            return tf.train.Example.FromString(record.numpy())
-    except tf.errors.DataLossError:
-        raise UserError(f"input file {path} is not a readable TFRecord file (corrupt, or another format): "
-                        "replace it, or set bert_data.format='text' for documents") from None
-    except Exception as e:  # a record that is not a tf.train.Example
-        raise UserError(f"input file {path}: the first record is not a tf.train.Example ({type(e).__name__}): "
-                        "write the data with create_pretraining_data.py") from None
-    raise UserError(f"input file {path} holds no records: remove it from the pattern or write data into it")
+    return pipeline.first_example(path, "replace it, or set bert_data.format='text' for documents",
+                                  "write the data with create_pretraining_data.py")
 
 
 def record_features(path: str, seq_len: int, max_predictions: int, vocab_size: int) -> dict[str, str]:

@@ -41,16 +41,14 @@ import dataclasses
 import json
 import logging
 import os
-import shutil
 import sys
-import tempfile
 
 import tensorflow as tf
 
 from tfpod import UserError
 from tfpod.input import files as files_lib
 from tfpod.input.pipeline import TaskInput, find_corrupt
-from tfpod.input.prepare import cache_lock  # one cache lock for every prepared data set
+from tfpod.input.prepare import cache_lock, staged  # one cache lock and staging for every prepared data set
 
 log = logging.getLogger("tfpod")
 
@@ -147,11 +145,7 @@ def prepare(data_dir: str, force: bool = False) -> dict:
     pixels = tf.constant(digits.images[..., None] * (255.0 / 16.0), tf.float32)  # [n, 8, 8, 1]
     big = tf.image.resize(pixels, [DEMO_SIZE, DEMO_SIZE], method="bicubic")  # [n, 32, 32, 1]
     rgb = tf.cast(tf.clip_by_value(tf.round(tf.tile(big, [1, 1, 1, 3])), 0, 255), tf.uint8)  # [n, 32, 32, 3]
-    parent = os.path.dirname(os.path.abspath(data_dir))
-    os.makedirs(parent, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=".images-", dir=parent)
-    os.chmod(tmp, 0o755)
-    try:
+    with staged(data_dir, ".images-") as tmp:
         counts = {"train": 0, "eval": 0}
         writers = {split: [tf.io.TFRecordWriter(os.path.join(tmp, f"digits-{split}-{i:05d}-of-{n:05d}.tfrecord"))
                            for i in range(n)] for split, n in (("train", TRAIN_SHARDS), ("eval", EVAL_SHARDS))}
@@ -172,12 +166,6 @@ def prepare(data_dir: str, force: bool = False) -> dict:
                     "train_shards": TRAIN_SHARDS, "eval_shards": EVAL_SHARDS}
         with open(os.path.join(tmp, MANIFEST), "w") as f:
             json.dump(manifest, f, indent=1)
-        if os.path.exists(data_dir):
-            shutil.rmtree(data_dir)  # only reached with force, or an incomplete earlier folder
-        os.rename(tmp, data_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     log.info("prepared the digits demo set: %d train and %d eval images -> %s", counts["train"], counts["eval"], data_dir)
     return manifest
 

@@ -211,6 +211,24 @@ def lm_dataset(
     return ds.prefetch(tf.data.AUTOTUNE)
 
 
+def first_example(path: str, corrupt_fix: str, format_fix: str) -> tf.train.Example:
+    """The first record of a TFRecord file, parsed (to check names and shapes before training).
+
+    Raises a one-line UserError when the file is corrupt (naming `corrupt_fix`), when its
+    first record is not a tf.train.Example (`format_fix`), or when it holds no records.
+    """
+    try:
+        for record in tf.data.TFRecordDataset(path).take(1):
+            return tf.train.Example.FromString(record.numpy())
+    except tf.errors.DataLossError:
+        raise UserError(f"input file {path} is not a readable TFRecord file (corrupt, or another format): "
+                        f"{corrupt_fix}") from None
+    except Exception as e:  # a record that is not a tf.train.Example
+        raise UserError(f"input file {path}: the first record is not a tf.train.Example ({type(e).__name__}): "
+                        f"{format_fix}") from None
+    raise UserError(f"input file {path} holds no records: remove it from the pattern or write data into it")
+
+
 def find_corrupt(pattern_files: tuple[str, ...]) -> str | None:
     """The first file whose records cannot be read, or None (used to name it in errors)."""
     for f in pattern_files:

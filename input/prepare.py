@@ -161,11 +161,7 @@ def prepare(data_dir: str, vocab_sizes: tuple[int, ...] = (2048,), force: bool =
         manifest["vocab_sizes"] = sorted(set(manifest["vocab_sizes"]) | set(vocab_sizes))
         _write_json(manifest_path, manifest)
         return manifest
-    parent = os.path.dirname(os.path.abspath(data_dir))
-    os.makedirs(parent, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=".prepare-", dir=parent)
-    os.chmod(tmp, 0o755)
-    try:
+    with staged(data_dir, ".prepare-") as tmp:
         docs = _read_docs()
         log.info("preparing the stdlib corpus: %d train and %d eval files -> %s",
                  len(docs["train"]), len(docs["eval"]), data_dir)
@@ -183,12 +179,6 @@ def prepare(data_dir: str, vocab_sizes: tuple[int, ...] = (2048,), force: bool =
                             "mask": MASK_ID, "cls": CLS_ID, "sep": SEP_ID},
         }
         _write_json(os.path.join(tmp, MANIFEST), manifest)
-        if os.path.exists(data_dir):
-            shutil.rmtree(data_dir)  # only reached with force, or an incomplete earlier folder
-        os.rename(tmp, data_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return manifest
 
 
@@ -207,6 +197,28 @@ def _write_json(path: str, obj) -> None:
     with open(path + ".tmp", "w") as f:
         json.dump(obj, f, indent=1)
     os.replace(path + ".tmp", path)
+
+
+@contextlib.contextmanager
+def staged(data_dir: str, prefix: str):
+    """A temporary folder beside data_dir that becomes data_dir when the block completes.
+
+    A prepared data set is written into it, then renamed into place (replacing an
+    incomplete or forced-over earlier folder), so readers never see a partial one; on
+    any error it is removed and data_dir is left as it was.
+    """
+    parent = os.path.dirname(os.path.abspath(data_dir))
+    os.makedirs(parent, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=prefix, dir=parent)
+    os.chmod(tmp, 0o755)
+    try:
+        yield tmp
+        if os.path.exists(data_dir):
+            shutil.rmtree(data_dir)  # only reached with force, or an incomplete earlier folder
+        os.rename(tmp, data_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
 
 
 @contextlib.contextmanager

@@ -50,9 +50,7 @@ import functools
 import json
 import logging
 import os
-import shutil
 import sys
-import tempfile
 
 import tensorflow as tf
 
@@ -212,11 +210,7 @@ def prepare_demo(data_dir: str, force: bool = False) -> dict:
     train_code = {code for code, _, _ in pairs["train"]}
     shared = [p for p in pairs["eval"] if p[0] in train_code]  # the same function in two files
     pairs["eval"] = [p for p in pairs["eval"] if p[0] not in train_code]
-    parent = os.path.dirname(os.path.abspath(data_dir))
-    os.makedirs(parent, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=".docstrings-", dir=parent)
-    os.chmod(tmp, 0o755)
-    try:
+    with prepare.staged(data_dir, ".docstrings-") as tmp:
         for split, n in (("train", TRAIN_SHARDS), ("eval", EVAL_SHARDS)):
             names = [os.path.join(tmp, f"docstrings-{split}-{i:05d}-of-{n:05d}.tfrecord") for i in range(n)]
             writers = [tf.io.TFRecordWriter(name) for name in names]
@@ -237,12 +231,6 @@ def prepare_demo(data_dir: str, force: bool = False) -> dict:
         }
         with open(os.path.join(tmp, MANIFEST), "w") as f:
             json.dump(manifest, f, indent=1)
-        if os.path.exists(data_dir):
-            shutil.rmtree(data_dir)  # only reached with force, or an incomplete earlier folder
-        os.rename(tmp, data_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     log.info("prepared the docstring demo set: %d train and %d eval pairs -> %s", manifest["train_pairs"],
              manifest["eval_pairs"], data_dir)
     return manifest
@@ -282,16 +270,8 @@ def sentencepiece(vocab_path: str):
 
 
 def _first_example(path: str) -> tf.train.Example:
-    try:
-        for record in tf.data.TFRecordDataset(path).take(1):
-            return tf.train.Example.FromString(record.numpy())
-    except tf.errors.DataLossError:
-        raise UserError(f"input file {path} is not a readable TFRecord file (corrupt, or another format): replace "
-                        "it with WMT-format TFRecords") from None
-    except Exception as e:  # a record that is not a tf.train.Example
-        raise UserError(f"input file {path}: the first record is not a tf.train.Example ({type(e).__name__}): "
-                        "write tf.train.Examples with the source and target text as bytes features") from None
-    raise UserError(f"input file {path} holds no records: remove it from the pattern or write data into it")
+    return pipeline.first_example(path, "replace it with WMT-format TFRecords",
+                                  "write tf.train.Examples with the source and target text as bytes features")
 
 
 def check_features(path: str, src_lang: str, tgt_lang: str) -> None:
