@@ -288,9 +288,9 @@ class MoEBlock(tf_keras.layers.Layer):
     """Pre-norm Transformer block whose MLP is a MoEMLP.
 
     Called as block([x [batch, length, embed], mask [batch, length, length]]) ->
-    (x [batch, length, embed], aux_loss). Laid out like Model Garden's
-    `TransformerEncoderBlock` with norm_first (same sublayer names, so gpt's attention and
-    layer-norm rules apply): layer norm -> causal self-attention -> dropout -> residual
+    (x [batch, length, embed], aux_loss). Laid out like gpt's `Block` (Model Garden's
+    `TransformerEncoderBlock` with norm_first: same sublayer names and attention layer, so
+    gpt's attention and layer-norm rules apply): layer norm -> causal self-attention -> dropout -> residual
     -> layer norm -> MoE MLP -> dropout -> residual.
 
     Args:
@@ -304,9 +304,8 @@ class MoEBlock(tf_keras.layers.Layer):
         c = config
         self.attention_layer_norm = tf_keras.layers.LayerNormalization(
             epsilon=c.norm_epsilon, dtype=tf.float32, name="self_attention_layer_norm")  # float32, as Model Garden
-        self.attention = tf_keras.layers.MultiHeadAttention(
-            num_heads=c.num_heads, key_dim=c.embed_dim // c.num_heads, dropout=c.attention_dropout,
-            kernel_initializer=kernel_initializer(), name="self_attention")
+        self.attention = gpt.CausalSelfAttention(c.num_heads, c.embed_dim, c.attention_dropout, kernel_initializer,
+                                                 name="self_attention")
         # Model Garden's block drops the attention output at the attention dropout rate.
         self.attention_dropout = tf_keras.layers.Dropout(c.attention_dropout)
         self.output_layer_norm = tf_keras.layers.LayerNormalization(
@@ -318,7 +317,7 @@ class MoEBlock(tf_keras.layers.Layer):
     def call(self, inputs, training=None):
         x, mask = inputs
         h = self.attention_layer_norm(x)
-        h = self.attention(query=h, value=h, key=h, attention_mask=mask, training=training)
+        h = self.attention(tf.cast(h, self.compute_dtype), mask, training=training)
         x = x + self.attention_dropout(h, training=training)
         y, aux_loss = self.moe_mlp(self.output_layer_norm(x))
         return x + self.output_dropout(y, training=training), aux_loss

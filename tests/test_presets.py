@@ -58,7 +58,7 @@ def test_tensor_splits_heads_mlp_and_vocab_over_model(tmp_path, reference):
     assert device_bytes(trainer, attention) * 4 == device_bytes(ref, attention)
     embedding = lambda n: "token_embedding" in n
     assert device_bytes(trainer, embedding) * 4 == device_bytes(ref, embedding)  # vocab-parallel
-    out = trainer.model.blocks[0]._output_dense.kernel  # row-parallel out of the block
+    out = trainer.model.blocks[0].output_dense.kernel  # row-parallel out of the block
     assert dtensor.fetch_layout(out).sharding_specs == ["model", dtensor.UNSHARDED]
 
 
@@ -66,7 +66,7 @@ def test_2d_also_splits_weights_over_data_and_gathers_them_where_used(tmp_path, 
     ref, ref_losses = reference
     trainer = make(tmp_path, "data:4,model:2", "2d")
     assert_same_losses(trainer.train()["losses"], ref_losses)
-    kernel = trainer.model.blocks[0]._intermediate_dense.kernel
+    kernel = trainer.model.blocks[0].intermediate.kernel
     assert dtensor.fetch_layout(kernel).sharding_specs == ["data", "model"]
     assert dtensor.unpack(kernel.read_value())[0].shape == (64 // 4, 128 // 2)
     every = lambda n: True
@@ -87,7 +87,7 @@ def test_weight_update_shards_optimizer_state_over_data_and_checkpoints_portably
     assert device_bytes(trainer, every) == device_bytes(ref, every)  # weights replicated for compute
     copies = lambda n: n.endswith("/update_shard")
     assert device_bytes(trainer, copies, state=True) * 8 == device_bytes(ref, every)
-    kernel = trainer.model.blocks[0]._intermediate_dense.kernel
+    kernel = trainer.model.blocks[0].intermediate.kernel
     assert dtensor.fetch_layout(trainer.optimizer.get_slot(kernel, "m")).sharding_specs == ["data", dtensor.UNSHARDED]
     report = open(tmp_path / "layouts.txt").read()
     assert "# adamw optimizer state, update sharded over 'data' on mesh data:8" in report

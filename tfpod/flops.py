@@ -21,19 +21,53 @@ _DATASHEET = {
 
 @functools.lru_cache(maxsize=None)
 def measured_matmul_flops(dtype: str = "float32", n: int = 2048, repeats: int = 3) -> float:
-    """FLOP/s of an n x n x n matmul on the first device of this process (best of repeats)."""
+    """FLOP/s of an n x n x n matmul on the first device of this process (best of repeats).
+
+    The quick figure the trainer logs MFU against on a CPU; `peak_matmul_flops` is the
+    thorough one the benchmarks use.
+    """
+    return matmul_flops(dtype, (n, n, n), per_call=1, repeats=repeats)
+
+
+def matmul_flops(dtype: str, shape: tuple[int, int, int], per_call: int = 1, repeats: int = 3) -> float:
+    """Best FLOP/s of `per_call` independent [m, k] x [k, n] matmuls in one compiled call.
+
+    Args:
+      dtype: "float32" or "bfloat16".
+      shape: (m, k, n).
+      per_call: matmuls per call (amortizes the call and the result's reduction).
+      repeats: timed calls after one warm-up call; the fastest counts.
+    """
+    m, k, n = shape
     with tf.device("/device:CPU:0"):
-        a = tf.random.stateless_normal([n, n], seed=[1, 2], dtype=tf.float32)
-        b = tf.random.stateless_normal([n, n], seed=[3, 4], dtype=tf.float32)
-        a, b = tf.cast(a, dtype), tf.cast(b, dtype)
-        mm = tf.function(lambda x, y: tf.reduce_sum(tf.cast(tf.matmul(x, y), tf.float32)))
+        a = [tf.cast(tf.random.stateless_normal([m, k], seed=[1, i]), dtype) for i in range(per_call)]
+        b = tf.cast(tf.random.stateless_normal([k, n], seed=[3, 4]), dtype)
+        mm = tf.function(lambda a, b: tf.add_n([tf.cast(tf.matmul(x, b)[0, 0], tf.float32) for x in a]))
         mm(a, b).numpy()
         best = float("inf")
         for _ in range(repeats):
             t = time.perf_counter()
             mm(a, b).numpy()
             best = min(best, time.perf_counter() - t)
-    return 2.0 * n**3 / best
+    return 2.0 * m * k * n * per_call / best
+
+
+# (m, k, n) of the matmuls the peak is the best of: squares, and GPT's output layer
+# (4096 tokens x 768 wide x 50304 vocab), which runs faster than any square here.
+PEAK_SHAPES = ((2048, 2048, 2048), (4096, 4096, 4096), (8192, 8192, 8192), (4096, 768, 50304))
+
+
+def peak_matmul_flops(dtype: str = "float32", shapes=PEAK_SHAPES, repeats: int = 5) -> float:
+    """This machine's large-matmul peak FLOP/s: the best over `shapes` (about 20 s on 2 CPU cores).
+
+    Each shape runs enough matmuls per call for about 2e11 FLOPs, so the call itself is
+    not measured.
+    """
+    best = 0.0
+    for m, k, n in shapes:
+        per_call = max(1, round(2e11 / (2.0 * m * k * n)))
+        best = max(best, matmul_flops(dtype, (m, k, n), per_call, repeats))
+    return best
 
 
 def peak_flops_per_device(device_type: str, dtype: str = "float32") -> float:

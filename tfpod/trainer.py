@@ -201,9 +201,10 @@ class Trainer:
         self.checkpoints = checkpoint.CheckpointManager(
             model_dir, self.step_var, keep=train.keep_checkpoints, model=self.model, optimizer=self.optimizer
         )
-        self._train_loop = make_train_loop(
+        self._compiled_loop = make_train_loop(
             self.model, self.update, task.loss_and_metrics, optimizer.clip_norm, train.steps_per_loop
         )
+        self._train_loop = self._compiled_loop
         self.tokens_per_step = train.global_batch_size * (self.seq_len or 1)
         self.flops_per_step = task.flops_per_token(model_config) * self.tokens_per_step
         per_device = train.peak_flops or flops.peak_flops_per_device(
@@ -213,6 +214,11 @@ class Trainer:
         units = self.info.num_clients if (self.info.device_type == "CPU" and not train.peak_flops) else self.info.num_global_devices
         self.peak_total = per_device * units
         self._writer = tf.summary.create_file_writer(os.path.join(model_dir, "train")) if self.is_chief else None
+
+    @property
+    def traces(self) -> int:
+        """How many times the compiled train loop was traced (1 when it never recompiled)."""
+        return self._compiled_loop.experimental_get_tracing_count()
 
     # -- data ---------------------------------------------------------------
 
@@ -313,7 +319,7 @@ class Trainer:
         window_losses, window_steps, t_window = [], 0, time.time()
         rate = None  # seconds per step, excluding the first (compiling) call
         all_losses, last_loss = [], None
-        first_call = True
+        first_call, traces_seen = True, self.traces
         with sharding.activation_sharding(self.mesh, self.table):
             while step < c.steps:
                 n = self._next_boundary(step) - step
@@ -329,6 +335,11 @@ class Trainer:
                         raise
                     raise UserError(message) from None
                 dt = time.time() - t_call
+                if self.traces > traces_seen:
+                    if not first_call:  # shapes, dtypes or Python values changed between calls
+                        log.warning("the train loop was traced again at step %d (trace %d): each trace recompiles "
+                                    "it; feed batches of one shape and dtype", step, self.traces)
+                    traces_seen = self.traces
                 if not first_call:
                     rate = dt / n if rate is None else 0.7 * rate + 0.3 * dt / n
                 first_call = False

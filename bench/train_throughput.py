@@ -1,0 +1,425 @@
+"""Training throughput side by side: tfpod, plain tf_keras `model.fit`, and Model Garden's trainer.
+
+    python bench/train_throughput.py [--model=gpt_small|bert_base|resnet50] [--global_batch=N]
+        [--seq_len=N] [--num_layers=N] [--warmup=2] [--steps=4] [--steps_per_loop=2]
+        [--runs=peak,tfpod,tfpod_bf16,keras_fit,model_garden] [--mesh=data:1] [--cpu_devices=1]
+
+In one run on one machine, each measurement in its own fresh process, one after the other
+(so none shares the cores with another):
+
+  peak          this machine's large-matmul FLOP/s, fp32 and bf16: the best of several
+                square (2048, 4096, 8192) and one tall-skinny (GPT's output layer)
+                matmuls, 4 per call, best of 5 calls (flops.measured_matmul_flops)
+  tfpod         tfpod's Trainer (the one used by main.py) on a DTensor mesh (`--mesh`,
+                one CPU device by default), fp32, synthetic batches as
+                train.synthetic_data=True makes them
+  tfpod_bf16    the same with train.precision=mixed_bfloat16
+  tfpod_real_input  the `tfpod` run fed by the LM's real input pipeline instead of
+                synthetic batches (gpt_small only): the default corpus (Python standard
+                library source, prepared on first use), SentencePiece 2048 in the graph,
+                concat packing to --seq_len, shuffled; `real_vs_synthetic` is its rate
+                over the `tfpod` run's
+  keras_fit     the model written with stock tf_keras layers (plain_keras_model; for BERT,
+                which tf_keras lacks, the model class below), trained by
+                plain tf_keras `model.compile` + `model.fit` with default settings on
+                one device: x = the model's features, y = its labels, sample_weight =
+                its weights, the usual Keras loss (SparseCategoricalCrossentropy, or
+                CategoricalCrossentropy with ResNet's label smoothing)
+  keras_fit_same_model  tfpod's own model class (models/<task>.build, no mesh) trained by
+                the same `model.fit`: against `tfpod`, only the training loop differs
+  model_garden  tfpod's model class (built from Model Garden layers: OnDeviceEmbedding
+                and TransformerEncoderBlock; BertEncoderV2; the vision ResNet) and the
+                Keras loss above, trained by tf-models-official's own trainer:
+                an `official.core.base_task.Task` (build_losses = the Keras loss
+                above) run by `official.core.base_trainer.Trainer` under an
+                `orbit.Controller` with steps_per_loop (tf.while_loop inside tf.function)
+
+All train the same network (the same weights: `parameters` in each run) with the same
+Model Garden optimizer and schedule (AdamW for gpt_small, LAMB for bert_base, LARS for
+resnet50; global-norm clipping 1.0), at the same global batch, on batches of the same
+synthetic distribution already in memory. Each runs `--warmup` steps (compiling) and then
+`--steps` timed steps; the rate is tokens (images for ResNet) of the timed steps over the
+wall time from the end of the warm-up to the end of the last step, so everything the
+training loop does between steps (feeding, logging, metrics) is in it.
+
+MFU is model FLOPs per second (the task's flops_per_token: 6 x weights per token plus
+attention, PaLM appendix B) over the measured peak of the same dtype: `mfu_fp32` is the
+tfpod run over the fp32 peak, `mfu_bf16` the tfpod_bf16 run over the bf16 peak.
+
+The last line is one JSON object: tokens_per_sec, keras_fit_tokens_per_sec, vs_keras_fit,
+model_garden_tokens_per_sec, vs_model_garden, bf16_tokens_per_sec, mfu_fp32, mfu_bf16,
+peak_fp32_flops, peak_bf16_flops, the settings, and each run's details ("runs"). For
+resnet50 the *_tokens_per_sec figures are images per second. A run that fails has
+"error" (its last line of output) and the script exits 1 after the JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+RUNS = ("peak", "tfpod", "tfpod_bf16", "tfpod_real_input", "keras_fit", "keras_fit_same_model", "model_garden")
+# Per model: task module, config, optimizer, default global batch and sequence length.
+MODELS = {
+    "gpt_small": dict(task="gpt", batch=4, seq_len=1024, optimizer=dict(name="adamw", learning_rate=6e-4, beta_2=0.95)),
+    "bert_base": dict(task="bert", batch=16, seq_len=128, optimizer=dict(name="lamb", learning_rate=1e-4)),
+    "resnet50": dict(task="resnet", batch=16, seq_len=None, optimizer=dict(name="lars", learning_rate=0.1, momentum=0.9)),
+}
+
+
+def model_config(args):
+    """(task module, its config) for --model, --seq_len and --num_layers."""
+    from tfpod import models  # noqa: F401
+    from tfpod.models import bert, gpt, resnet
+
+    if args.model == "gpt_small":
+        return gpt, gpt.GPTConfig(vocab_size=50304, num_layers=args.num_layers or 12, embed_dim=768, num_heads=12,
+                                  mlp_dim=3072, seq_len=args.seq_len, dropout=0.0)
+    if args.model == "bert_base":
+        return bert, bert.BertConfig(seq_len=args.seq_len, max_predictions=20, num_layers=args.num_layers or 12,
+                                     hidden_size=768, num_heads=12, intermediate_size=3072, dropout=0.0,
+                                     attention_dropout=0.0)
+    return resnet, resnet.ResNetConfig(depth=50, image_size=224, num_classes=1000)
+
+
+def optimizer_config(args):
+    from tfpod import optimizers
+
+    return optimizers.OptimizerConfig(**MODELS[args.model]["optimizer"], warmup_steps=0, decay="constant", clip_norm=1.0)
+
+
+def units_per_example(task, cfg) -> int:
+    """Tokens per example (1 for images: rates are then examples per second)."""
+    return getattr(cfg, "seq_len", None) or 1
+
+
+def plain_keras_model(task, cfg):
+    """The model written with stock tf_keras layers only, as a Keras user writes it (None for
+    BERT: tf_keras has no BERT, so its keras_fit run trains the same model class).
+
+    gpt: GPT-2 pre-norm blocks of `MultiHeadAttention(use_causal_mask=True)`, `Dense` gelu
+    MLP and `LayerNormalization`, `Embedding` token and position tables, and the output
+    layer tied to the token table as Keras-NLP's ReversibleEmbedding ties it
+    (`matmul(x, table, transpose_b=True)`): the same weights as models/gpt.py's GPT.
+    resnet: `tf_keras.applications.ResNet50(weights=None)` (v1: strides on the 1x1
+    convolution; the same multiply-adds to within 1%).
+    """
+    import tensorflow as tf
+    import tf_keras
+
+    layers = tf_keras.layers
+    init = lambda: tf_keras.initializers.TruncatedNormal(stddev=0.02)
+    if task.NAME == "resnet":
+        return tf_keras.applications.ResNet50(weights=None, input_shape=(cfg.image_size, cfg.image_size, 3),
+                                              classes=cfg.num_classes, classifier_activation=None)
+    if task.NAME != "gpt":
+        return None
+
+    class TiedOutput(layers.Layer):
+        def __init__(self, embedding, **kwargs):
+            super().__init__(**kwargs)
+            self.embedding = embedding
+
+        def call(self, x):
+            return tf.cast(tf.matmul(x, tf.cast(self.embedding.embeddings, x.dtype), transpose_b=True), tf.float32)
+
+    class AddPositions(layers.Layer):  # a learned position table, added
+        def build(self, shape):
+            self.table = self.add_weight("embeddings", [cfg.seq_len, cfg.embed_dim], initializer=init())
+
+        def call(self, x):
+            return x + tf.cast(self.table, x.dtype)
+
+    ids = tf_keras.Input([cfg.seq_len], dtype=tf.int32, name="inputs")
+    token = layers.Embedding(cfg.vocab_size, cfg.embed_dim, embeddings_initializer=init())
+    x = AddPositions()(token(ids))
+    for _ in range(cfg.num_layers):
+        h = layers.LayerNormalization(epsilon=cfg.norm_epsilon)(x)
+        h = layers.MultiHeadAttention(cfg.num_heads, cfg.embed_dim // cfg.num_heads, kernel_initializer=init())(
+            h, h, use_causal_mask=True)
+        x = x + h
+        h = layers.LayerNormalization(epsilon=cfg.norm_epsilon)(x)
+        h = layers.Dense(cfg.mlp_dim, activation="gelu", kernel_initializer=init())(h)
+        x = x + layers.Dense(cfg.embed_dim, kernel_initializer=init())(h)
+    x = layers.LayerNormalization(epsilon=cfg.norm_epsilon)(x)
+    return tf_keras.Model({"inputs": ids}, TiedOutput(token)(x))
+
+
+def keras_adapter(task, cfg):
+    """(to_xyw(batch) -> (x, y, sample_weight), the Keras loss) for plain Keras and Model Garden."""
+    import tensorflow as tf
+    import tf_keras
+
+    name = task.NAME
+    if name == "gpt":
+        return (lambda b: ({"inputs": b["inputs"]}, b["targets"], b["weights"]),
+                tf_keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    if name == "bert":
+        return (lambda b: (task.model_inputs(b), b["masked_lm_ids"], tf.cast(b["masked_lm_weights"], tf.float32)),
+                tf_keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    return (lambda b: (task.model_inputs(b), tf.one_hot(b["labels"], cfg.num_classes), b["weights"]),
+            tf_keras.losses.CategoricalCrossentropy(from_logits=True, label_smoothing=cfg.label_smoothing))
+
+
+def host_batches(task, cfg, batch: int, count: int, seed: int = 0) -> list[dict]:
+    """`count` synthetic global batches, as tfpod's Trainer draws them (seed, step)."""
+    import numpy as np
+
+    return [task.synthetic_batch(cfg, batch, np.random.default_rng([seed, step])) for step in range(count)]
+
+
+def _baseline_dataset(task, cfg, args):
+    import numpy as np
+    import tensorflow as tf
+
+    to_xyw, _ = keras_adapter(task, cfg)
+    batches = host_batches(task, cfg, args.global_batch, args.warmup + args.steps)
+    stacked = {k: np.stack([b[k] for b in batches]) for k in batches[0]}
+    data = tf.data.Dataset.from_tensor_slices(stacked).map(to_xyw)
+    return data.repeat().prefetch(2)
+
+
+def _baseline_model(task, cfg, args, precision: str, plain: bool = False):
+    import tf_keras
+
+    from tfpod import optimizers
+
+    tf_keras.utils.set_random_seed(0)
+    tf_keras.mixed_precision.set_global_policy(precision)
+    model = (plain and plain_keras_model(task, cfg)) or task.build(cfg)
+    opt_cfg = optimizer_config(args)
+    optimizer = optimizers.build_optimizer(opt_cfg, args.warmup + args.steps)
+    optimizer.global_clipnorm = opt_cfg.clip_norm
+    return model, optimizer
+
+
+def run_keras_fit(args, plain: bool = True) -> dict:
+    """tf_keras compile + fit on one device; per-step times from a callback.
+
+    Args:
+      plain: the model written with stock Keras layers (plain_keras_model); False: the
+        tfpod model class (what differs is then only the training loop).
+    """
+    import tf_keras
+
+    task, cfg = model_config(args)
+    model, optimizer = _baseline_model(task, cfg, args, args.precision, plain=plain)
+    _, loss = keras_adapter(task, cfg)
+    model.compile(optimizer=optimizer, loss=loss)
+    ends = []
+
+    class Times(tf_keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            ends.append(time.perf_counter())
+
+    history = model.fit(_baseline_dataset(task, cfg, args), epochs=1, steps_per_epoch=args.warmup + args.steps,
+                        callbacks=[Times()], verbose=0)
+    result = _rate(args, task, cfg, ends[args.warmup - 1], ends[-1], loss=float(history.history["loss"][-1]))
+    result["parameters"] = int(sum(v.shape.num_elements() for v in model.trainable_variables))
+    return result
+
+
+def run_model_garden(args) -> dict:
+    """tf-models-official's base_trainer.Trainer under orbit.Controller."""
+    import orbit
+    import tensorflow as tf
+    from official.core import base_task, base_trainer, config_definitions
+
+    task, cfg = model_config(args)
+    model, optimizer = _baseline_model(task, cfg, args, args.precision)
+    to_xyw, keras_loss = keras_adapter(task, cfg)
+
+    class BenchTask(base_task.Task):
+        def build_model(self):
+            return model
+
+        def build_inputs(self, params, input_context=None):
+            return _baseline_dataset(task, cfg, args).map(lambda x, y, w: (x, (y, w)))
+
+        def build_losses(self, labels, model_outputs, aux_losses=None):
+            y, w = labels
+            return keras_loss(y, model_outputs, sample_weight=w)
+
+    config = config_definitions.ExperimentConfig(
+        task=config_definitions.TaskConfig(),
+        trainer=config_definitions.TrainerConfig(train_tf_while_loop=True, train_tf_function=True,
+                                                 steps_per_loop=args.steps_per_loop),
+    )
+    bench_task = BenchTask(config.task)
+    trainer = base_trainer.Trainer(config, bench_task, model=model, optimizer=optimizer, train=True,
+                                   evaluate=False, train_dataset=bench_task.build_inputs(None))
+    controller = orbit.Controller(trainer=trainer, global_step=trainer.global_step,
+                                  steps_per_loop=args.steps_per_loop)
+    logs = []
+    loop_end = trainer.train_loop_end
+    trainer.train_loop_end = lambda: logs.append(loop_end()) or logs[-1]
+    controller.train(steps=args.warmup)
+    start = time.perf_counter()
+    controller.train(steps=args.warmup + args.steps)
+    end = time.perf_counter()
+    loss = float(logs[-1]["training_loss"]) if logs and "training_loss" in logs[-1] else None
+    return _rate(args, task, cfg, start, end, loss=loss)
+
+
+def run_tfpod(args) -> dict:
+    """tfpod's Trainer on the mesh; the rate from metrics.jsonl records after the warm-up."""
+    from tfpod import runtime
+
+    runtime.initialize(cpu_devices=args.cpu_devices, device_type=None if args.device else "CPU")
+    from tfpod import mesh as meshlib, sharding, trainer as trainer_lib
+
+    task, cfg = model_config(args)
+    mesh = meshlib.make_mesh(args.mesh)
+    placement = sharding.ShardingConfig(preset=args.preset, sequence_parallel=False).trainer_args(task.DEFAULT_PRESET)
+    train_cfg = trainer_lib.TrainConfig(
+        steps=args.warmup + args.steps, global_batch_size=args.global_batch, seed=0,
+        steps_per_loop=args.steps_per_loop, log_every=args.steps_per_loop, checkpoint_every=10**9,
+        synthetic_data=True, precision=args.precision, peak_flops=1.0,  # MFU is computed here, not by the trainer
+    )
+    with tempfile.TemporaryDirectory() as model_dir:
+        trainer = trainer_lib.Trainer(task, cfg, train_cfg, optimizer_config(args), mesh, model_dir=model_dir,
+                                      **placement)
+        trainer.checkpoints.save = lambda: None  # the final checkpoint is not part of the rate
+        dataset_fn = None
+        if args.worker == "tfpod_real_input":  # the LM's real pipeline on the prepared default corpus
+            from tfpod.input import pipeline
+
+            info = trainer.info
+            dataset_fn = task.make_input(pipeline.LMDataConfig(), cfg, info.num_clients, info.client_id, 0).train
+        out = trainer.train(dataset_fn)
+        if not trainer.is_chief:  # host 0 alone writes metrics.jsonl
+            return {"host": trainer.info.client_id, "traces": trainer.traces}
+        records = [json.loads(line) for line in open(os.path.join(model_dir, "metrics.jsonl"))]
+    times = {r["step"]: r["time"] for r in records if r["kind"] == "train"}
+    result = _rate(args, task, cfg, times[args.warmup], times[args.warmup + args.steps], loss=out["losses"][-1])
+    result["traces"] = trainer.traces
+    result["parameters"] = int(sum(v.shape.num_elements() for v in trainer.model.trainable_variables))
+    return result
+
+
+def run_peak(args) -> dict:
+    from tfpod import flops
+
+    return {dtype: flops.peak_matmul_flops(dtype) for dtype in ("float32", "bfloat16")}
+
+
+def _rate(args, task, cfg, start: float, end: float, loss: float | None) -> dict:
+    units = args.steps * args.global_batch * units_per_example(task, cfg)
+    per_sec = units / (end - start)
+    return {"tokens_per_sec": per_sec, "step_time_s": (end - start) / args.steps, "loss": loss,
+            "model_flops_per_sec": per_sec * task.flops_per_token(cfg)}
+
+
+def worker(args) -> dict:
+    if args.worker == "peak":
+        return run_peak(args)
+    if args.worker.startswith("tfpod"):
+        return run_tfpod(args)
+    import tfpod  # noqa: F401  (selects tf_keras before TensorFlow loads)
+
+    if args.worker == "model_garden":
+        return run_model_garden(args)
+    return run_keras_fit(args, plain=args.worker == "keras_fit")
+
+
+def run(name: str, args) -> dict:
+    """One measurement in a fresh process; its JSON, or {"error": its last line}."""
+    precision = "mixed_bfloat16" if name == "tfpod_bf16" else "float32"
+    cmd = [sys.executable, os.path.abspath(__file__), f"--worker={name}", f"--precision={precision}"] + [
+        f"--{k}={v}" for k, v in vars(args).items()
+        if k not in ("worker", "precision", "runs", "verbose", "device") and v is not None
+    ] + (["--device"] if args.device else [])
+    print(f"[train_throughput] {name} ...", file=sys.stderr, flush=True)
+    t = time.perf_counter()
+    proc = subprocess.run(cmd, cwd=ROOT, text=True, stdout=subprocess.PIPE,
+                          stderr=None if args.verbose else subprocess.PIPE)
+    lines = [line for line in proc.stdout.strip().splitlines() if line.startswith("{")]
+    if proc.returncode or not lines:
+        tail = (proc.stderr or proc.stdout or "").strip().splitlines()
+        error = tail[-1] if tail else f"exit status {proc.returncode}"
+        print(f"[train_throughput] {name}: failed: {error}", file=sys.stderr, flush=True)
+        return {"error": error}
+    result = json.loads(lines[-1])
+    result["process_wall_s"] = time.perf_counter() - t
+    summary = (f"{result['tokens_per_sec']:,.1f}/s" if "tokens_per_sec" in result else
+               ", ".join(f"{k} {v / 1e9:.0f} GFLOP/s" for k, v in result.items() if k != "process_wall_s"))
+    print(f"[train_throughput] {name}: {summary} ({result['process_wall_s']:.0f} s)", file=sys.stderr, flush=True)
+    return result
+
+
+def summarize(args, runs: dict) -> dict:
+    def rate(name):
+        return runs.get(name, {}).get("tokens_per_sec")
+
+    def ratio(a, b):
+        return a / b if a and b else None
+
+    peak = runs.get("peak", {})
+    fp32, bf16 = peak.get("float32"), peak.get("bfloat16")
+    mfu = lambda name, p: ratio(runs.get(name, {}).get("model_flops_per_sec"), p)
+    return {
+        "model": args.model, "global_batch": args.global_batch, "seq_len": args.seq_len,
+        "num_layers": args.num_layers, "mesh": args.mesh, "warmup": args.warmup, "steps": args.steps,
+        "steps_per_loop": args.steps_per_loop,
+        "units": "images" if args.model == "resnet50" else "tokens",
+        "tokens_per_sec": rate("tfpod"),
+        "keras_fit_tokens_per_sec": rate("keras_fit"), "vs_keras_fit": ratio(rate("tfpod"), rate("keras_fit")),
+        "keras_fit_same_model_tokens_per_sec": rate("keras_fit_same_model"),
+        "vs_keras_fit_same_model": ratio(rate("tfpod"), rate("keras_fit_same_model")),
+        "model_garden_tokens_per_sec": rate("model_garden"),
+        "vs_model_garden": ratio(rate("tfpod"), rate("model_garden")),
+        "bf16_tokens_per_sec": rate("tfpod_bf16"),
+        "real_input_tokens_per_sec": rate("tfpod_real_input"),
+        "real_vs_synthetic": ratio(rate("tfpod_real_input"), rate("tfpod")),
+        "mfu_fp32": mfu("tfpod", fp32), "mfu_bf16": mfu("tfpod_bf16", bf16),
+        "peak_fp32_flops": fp32, "peak_bf16_flops": bf16,
+        "runs": runs,
+    }
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--model", choices=tuple(MODELS), default="gpt_small")
+    p.add_argument("--global_batch", type=int)
+    p.add_argument("--seq_len", type=int)
+    p.add_argument("--num_layers", type=int, help="override the model's layer count (quick runs)")
+    p.add_argument("--warmup", type=int, default=2, help="untimed steps first (the first call compiles)")
+    p.add_argument("--steps", type=int, default=4, help="timed steps")
+    p.add_argument("--steps_per_loop", type=int, default=2, help="tfpod and Orbit: steps per host call")
+    p.add_argument("--runs", default=",".join(RUNS), help=f"comma-separated subset of {','.join(RUNS)}")
+    p.add_argument("--mesh", default="data:1", help="tfpod's mesh")
+    p.add_argument("--preset", default="data", help="tfpod's sharding preset")
+    p.add_argument("--cpu_devices", type=int, default=1, help="logical CPU devices for tfpod")
+    p.add_argument("--device", action="store_true", help="tfpod on the machine's accelerator instead of the CPU")
+    p.add_argument("--precision", default="float32", help=argparse.SUPPRESS)
+    p.add_argument("--worker", choices=RUNS, help=argparse.SUPPRESS)
+    p.add_argument("--verbose", action="store_true", help="show each run's log")
+    args = p.parse_args(argv)
+    spec = MODELS[args.model]
+    args.global_batch = args.global_batch or spec["batch"]
+    args.seq_len = args.seq_len or spec["seq_len"]
+    if args.warmup < 1 or args.steps < 1 or args.warmup % args.steps_per_loop or args.steps % args.steps_per_loop:
+        p.error(f"--warmup={args.warmup} and --steps={args.steps} must be positive multiples of "
+                f"--steps_per_loop={args.steps_per_loop}")
+    if args.worker:
+        print(json.dumps(worker(args)), flush=True)
+        return 0
+    names = [n for n in args.runs.split(",") if n]
+    unknown = [n for n in names if n not in RUNS]
+    if unknown:
+        p.error(f"--runs: unknown {','.join(unknown)}; use a subset of {','.join(RUNS)}")
+    runs = {name: run(name, args) for name in names}
+    print(json.dumps(summarize(args, runs)), flush=True)
+    return 1 if any("error" in r for r in runs.values()) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
