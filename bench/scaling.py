@@ -54,7 +54,7 @@ def point(args, devices: int, hosts: int = 1) -> dict:
     per_host = devices // hosts
     mesh = mesh_spec(devices, args.model_parallel)
     worker = [sys.executable, THROUGHPUT, "--worker=tfpod", f"--model={args.model}", f"--mesh={mesh}",
-              f"--cpu_devices={per_host}", f"--preset={args.preset}", f"--global_batch={args.global_batch}",
+              f"--cpu_devices={per_host}", f"--preset={args.preset}", f"--rules={args.rules}", f"--global_batch={args.global_batch}",
               f"--seq_len={args.seq_len}", f"--warmup={args.warmup}", f"--steps={args.steps}",
               f"--steps_per_loop={args.steps_per_loop}"] + ([f"--num_layers={args.num_layers}"] if args.num_layers else [])
     cmd = worker if hosts == 1 else [sys.executable, "-m", "tfpod.launch", f"--num_hosts={hosts}",
@@ -89,6 +89,7 @@ def main(argv=None):
     p.add_argument("--devices", default="1,2,4,8", help="logical device counts on one host")
     p.add_argument("--hosts", type=int, default=2, help="hosts for the multi-host point (1: none)")
     p.add_argument("--preset", default="data", help="sharding preset (tensor, 2d: with --model_parallel)")
+    p.add_argument("--rules", default="", help="rules overrides, e.g. vocab=none (see train_throughput.py)")
     p.add_argument("--model_parallel", type=int, default=1,
                    help="size of the mesh's model axis on points with at least that many devices")
     p.add_argument("--warmup", type=int, default=2)
@@ -113,7 +114,7 @@ def main(argv=None):
     multi, single = rate(largest, args.hosts), rate(largest, 1)
     print(json.dumps({
         "model": args.model, "num_layers": args.num_layers, "global_batch": args.global_batch,
-        "seq_len": args.seq_len, "preset": args.preset, "model_parallel": args.model_parallel, "steps": args.steps,
+        "seq_len": args.seq_len, "preset": args.preset, "rules": args.rules, "model_parallel": args.model_parallel, "steps": args.steps,
         "points": points,
         "relative_8": next((q["relative"] for q in points if q["devices"] == 8 and q["hosts"] == 1), None),
         "hosts_vs_one_host": multi / single if multi and single else None,
