@@ -93,8 +93,9 @@ def test_resume_skips_an_incomplete_checkpoint(tmp_path, caplog):
     assert "ckpt-4 is incomplete" in caplog.text and len(out["losses"]) == 2  # resumed at step 2
 
 
-def test_the_train_loop_compiles_once(tmp_path, caplog):
+def test_the_train_loop_compiles_once_and_checkpoints_keep_the_last_n(tmp_path, caplog):
     """Calls of 2, 2 and 1 steps (a partial stack) and a resume reuse one trace: no recompiling.
+    Checkpoints come every 2 steps and at the end; the newest 2 are kept.
 
     Under `data` the vocab rows are whole on every device, so the embedding is a gather
     (its gradient densified); under `tensor` (the other tests) a one-hot matmul.
@@ -102,19 +103,17 @@ def test_the_train_loop_compiles_once(tmp_path, caplog):
     import logging
 
     mesh = make_mesh("data:8")
+    kw = dict(preset="data", log_every=2, checkpoint_every=2, keep_checkpoints=2)
     with caplog.at_level(logging.WARNING, logger="tfpod"):
-        trainer, out = train(tmp_path, mesh, steps=5, preset="data", log_every=2)
+        trainer, out = train(tmp_path, mesh, steps=5, **kw)
     assert len(out["losses"]) == 5 and trainer.traces == 1
     assert "traced again" not in caplog.text
     assert trainer.model.token_embedding._use_one_hot is False
-    trainer, out = train(tmp_path, mesh, steps=7, preset="data", log_every=2)  # resumes at 5: calls of 1 and 2
+    checkpoints = lambda: sorted(f for f in os.listdir(tmp_path / "checkpoints") if f.endswith(".index"))
+    assert checkpoints() == ["ckpt-4.index", "ckpt-5.index"]
+    trainer, out = train(tmp_path, mesh, steps=7, **kw)  # resumes at 5: calls of 1 and 1
     assert len(out["losses"]) == 2 and trainer.traces == 1
-
-
-def test_checkpoint_cadence_keeps_last_n(tmp_path):
-    train(tmp_path, make_mesh("data:8"), steps=8, checkpoint_every=2, keep_checkpoints=2)
-    names = sorted(f for f in os.listdir(tmp_path / "checkpoints") if f.endswith(".index"))
-    assert names == ["ckpt-6.index", "ckpt-8.index"]
+    assert checkpoints() == ["ckpt-6.index", "ckpt-7.index"]
 
 
 def test_metrics_jsonl_and_tensorboard(tmp_path):
