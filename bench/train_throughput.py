@@ -122,8 +122,10 @@ def plain_keras_model(task, cfg):
     layers = tf_keras.layers
     init = lambda: tf_keras.initializers.TruncatedNormal(stddev=0.02)
     if task.NAME == "resnet":
-        return tf_keras.applications.ResNet50(weights=None, input_shape=(cfg.image_size, cfg.image_size, 3),
-                                              classes=cfg.num_classes, classifier_activation=None)
+        images = tf_keras.Input([cfg.image_size, cfg.image_size, 3], name="images")
+        net = tf_keras.applications.ResNet50(weights=None, input_tensor=images, classes=cfg.num_classes,
+                                             classifier_activation=None)
+        return tf_keras.Model({"images": images}, net.output)
     if task.NAME != "gpt":
         return None
 
