@@ -9,6 +9,8 @@ host's rows as the local components of a DTensor over the global mesh
 
 from __future__ import annotations
 
+import math
+
 from typing import Mapping, Sequence
 
 import numpy as np
@@ -32,18 +34,31 @@ def local_shards(mesh: dtensor.Mesh, batch_mesh_axis: str | None) -> list[int]:
     return sorted({loc[batch_mesh_axis] for loc in mesh.local_device_locations()})
 
 
-def host_rows(global_batch: int, mesh: dtensor.Mesh, batch_mesh_axis: str | None) -> int:
+def host_rows(global_batch: int, mesh: dtensor.Mesh, batch_mesh_axis: str | None, num_hosts: int | None = None) -> int:
     """Rows of the global batch this host must supply.
 
+    Args:
+      num_hosts: hosts in the job (None: DTensor's client count).
+
     Raises:
-      UserError: the global batch does not divide over the batch axis.
+      UserError: the global batch does not divide over the batch axis or the hosts, or
+        the batch axis does not divide over the hosts (two hosts would feed one shard
+        from different data).
     """
     shards = mesh.dim_size(batch_mesh_axis) if batch_mesh_axis else 1
+    hosts = num_hosts or dtensor.num_clients()
+    if global_batch % hosts:
+        raise UserError(f"train.global_batch_size={global_batch} does not divide over the {hosts} hosts: "
+                        f"use a multiple of {hosts * shards // math.gcd(hosts, shards)}")
     if global_batch % shards:
         raise UserError(
             f"train.global_batch_size={global_batch} does not divide over mesh axis "
             f"{batch_mesh_axis!r} of size {shards}: use a multiple of {shards}"
         )
+    if hosts > 1 and shards % hosts:
+        raise UserError(f"mesh axis {batch_mesh_axis or 'data'!r} of size {shards} does not divide over the {hosts} "
+                        f"hosts, so hosts would feed the same batch shard from different files: make it a multiple "
+                        f"of {hosts} (e.g. --mesh=data:-1 with the model axis within a host)")
     return global_batch // shards * len(local_shards(mesh, batch_mesh_axis))
 
 

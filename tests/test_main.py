@@ -17,7 +17,8 @@ def main_py(*args, timeout=600):
     return subprocess.run([sys.executable, "main.py", *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout)
 
 
-def test_default_job_trains_checkpoints_and_resumes(tmp_path):
+def test_default_job_trains_logs_and_checkpoints(tmp_path):
+    """(Relaunching main.py after kill -9 or SIGTERM resumes exactly: test_reliability.)"""
     d = tmp_path / "lm_tiny"
     base = ["--gin_file=gin/lm_tiny.gin", "--cpu_devices=8", "--mesh=data:4,model:2", f"--model_dir={d}",
             "--gin_param=train.checkpoint_every=10", "--gin_param=train.log_every=10"]
@@ -35,13 +36,6 @@ def test_default_job_trains_checkpoints_and_resumes(tmp_path):
     assert "# total: 36 variables" in open(d / "layouts.txt").read()
     ckpts = sorted(f for f in os.listdir(d / "checkpoints") if f.endswith(".index"))
     assert ckpts == ["ckpt-10.index", "ckpt-20.index", "ckpt-30.index"]
-
-    second = main_py(*base, "--gin_param=train.steps=40")
-    assert second.returncode == 0, second.stderr[-3000:]
-    assert "resumed from" in second.stderr and "at step 30" in second.stderr
-    assert "step 10/40" not in second.stderr and "step 40/40" in second.stderr
-    records = [json.loads(l) for l in open(d / "metrics.jsonl")]
-    assert [r["step"] for r in records] == [10, 20, 30, 40]
 
 
 def test_bad_mesh_is_one_line_and_nonzero(tmp_path):

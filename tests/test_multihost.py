@@ -53,6 +53,20 @@ def test_two_hosts_match_one_process_and_only_host0_writes(tmp_path):
     assert len(losses(tmp_path / "two")) == 4
     assert len(os.listdir(tmp_path / "two" / "train")) == 1
 
+    # The 2-host checkpoint restores in one process, on another mesh and preset, with identical values.
+    from test_reliability import assert_restores_identically
+    from tfpod import sharding
+    from tfpod.main import _build_config, build_task_configs, parse_config
+    from tfpod.mesh import make_mesh
+    from tfpod.trainer import Trainer
+
+    parse_config(["gin/lm_tiny.gin"], SMALL + ["train.steps=4", "train.synthetic_data=True"])
+    task, model_config, _ = build_task_configs()
+    one_host = Trainer(task, model_config, _build_config("train"), _build_config("optimizer"), make_mesh("data:8"),
+                       sharding.rules_table("data"), str(tmp_path / "restored"))
+    assert one_host.checkpoints.restore(str(tmp_path / "two" / "checkpoints" / "ckpt-4")) == 4
+    assert_restores_identically(one_host, str(tmp_path / "two" / "checkpoints" / "ckpt-4"))
+
 
 def test_hosts_read_disjoint_files_and_a_killed_host_stops_the_job_and_the_rerun_resumes(tmp_path):
     d = tmp_path / "run"

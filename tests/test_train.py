@@ -50,7 +50,7 @@ def test_meshes_give_the_single_device_loss(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     ref_losses = np.array([json.loads(l)["loss"] for l in open(ref_dir / "metrics.jsonl")])
     assert len(ref_losses) == 4 and np.ptp(ref_losses) > 1e-3  # the weights moved
-    for spec in ["data:8", "data:4,model:2", "data:2,model:4", "data:1,model:8"]:
+    for spec in ["data:8", "data:2,model:4"]:  # (data:4,model:2 against data:8: test_eval, test_presets)
         out = run(["gin/lm_tiny.gin"], SMALL_PARAMS, str(tmp_path / spec.replace(":", "").replace(",", "_")), mesh_spec=spec)
         rel = np.abs(np.array(out["losses"]) - ref_losses) / np.abs(ref_losses)
         assert rel.max() < 1e-3, (spec, out["losses"], ref_losses)
@@ -63,34 +63,6 @@ def test_tensor_preset_really_shards_weights(tmp_path):
     assert dtensor.unpack(kernel.read_value())[0].shape == (64, 128 // 4)
     slot = trainer.optimizer.get_slot(kernel, "m")
     assert dtensor.fetch_layout(slot).sharding_specs == [dtensor.UNSHARDED, "model"]
-
-
-def test_resume_continues_exactly(tmp_path):
-    """4 steps, stop, resume to 8: steps 5..8 equal an uninterrupted 8-step run."""
-    mesh = make_mesh("data:4,model:2")
-    _, full = train(tmp_path / "full", mesh, steps=8)
-    _, first = train(tmp_path / "split", mesh, steps=4)
-    assert os.path.isdir(tmp_path / "split" / "checkpoints")
-    trainer, second = train(tmp_path / "split", mesh, steps=8)
-    assert len(first["losses"]) == 4 and len(second["losses"]) == 4  # resumed at step 4, not 0
-    np.testing.assert_allclose(first["losses"] + second["losses"], full["losses"], rtol=1e-5)
-    assert int(trainer.step_var.numpy()) == 8
-    _, again = train(tmp_path / "split", mesh, steps=8)
-    assert again["losses"] == [] and again["step"] == 8  # nothing left to train
-
-
-def test_resume_skips_an_incomplete_checkpoint(tmp_path, caplog):
-    """A checkpoint whose data a dying host never finished is skipped for the one before it."""
-    import logging
-
-    mesh = make_mesh("data:8")
-    train(tmp_path, mesh, steps=4, checkpoint_every=2)
-    for f in os.listdir(tmp_path / "checkpoints"):
-        if f.startswith("ckpt-4.data"):
-            os.remove(tmp_path / "checkpoints" / f)
-    with caplog.at_level(logging.WARNING, logger="tfpod"):
-        trainer, out = train(tmp_path, mesh, steps=4, checkpoint_every=2)
-    assert "ckpt-4 is incomplete" in caplog.text and len(out["losses"]) == 2  # resumed at step 2
 
 
 def test_the_train_loop_compiles_once_and_checkpoints_keep_the_last_n(tmp_path, caplog):
@@ -146,14 +118,13 @@ def test_other_optimizers_train(tmp_path, name, lr):
     assert slots and all(dtensor.fetch_layout(s).mesh == trainer.mesh for s in slots)
 
 
-def test_bf16_and_dropout_under_dtensor(tmp_path):
+def test_bf16_under_dtensor(tmp_path):
+    """(Dropout under DTensor, and its exact resume: test_reliability.)"""
     mesh = make_mesh("data:4,model:2")
     _, fp32 = train(tmp_path / "fp32", mesh, steps=2)
     _, bf16 = train(tmp_path / "bf16", mesh, steps=2, precision="mixed_bfloat16")
     np.testing.assert_allclose(bf16["losses"], fp32["losses"], rtol=3e-2)
     assert bf16["losses"] != fp32["losses"]  # really computed in bf16
-    _, drop = train(tmp_path / "drop", mesh, steps=2, model={"dropout": 0.3, "attention_dropout": 0.3})
-    assert np.all(np.isfinite(drop["losses"])) and drop["losses"] != fp32["losses"]
 
 
 def test_batch_must_divide_over_data_axis(tmp_path):

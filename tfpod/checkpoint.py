@@ -1,17 +1,35 @@
-"""Checkpoints of the sharded training state.
+"""Checkpoints of the sharded training state, and what makes a resume exact.
 
 One `tf.train.Checkpoint` holds the model and optimizer DVariables (the optimizer's
 step counter is the global step). Every host takes part in the sharded write and read.
-`CheckpointManager` resumes from the newest checkpoint in `model_dir`, saves every
-`checkpoint_every` steps and at the end, and keeps the last `keep` checkpoints.
+`CheckpointManager` resumes from the newest checkpoint in `model_dir` that is complete
+and readable, saves every `checkpoint_every` steps and at the end, and keeps the last
+`keep` checkpoints. Each host's input position is saved beside it (`InputCheckpoint`).
+
+A resumed run repeats an uninterrupted one exactly because everything a step depends
+on is restored or is a function of the step: weights, optimizer slots and step (the
+sharded checkpoint), the input position (`InputCheckpoint`), synthetic batches (seeded
+by the step) and dropout masks (`replayable_dropout`: seeded by the step, not by a
+random state that a killed process loses).
+
+Writes are atomic: TensorFlow writes a checkpoint's files under temporary names and
+renames them, and the `checkpoint` state file last. A checkpoint missing a data shard
+is skipped (`complete_steps`); one whose files fail their checksums is reported, moved
+aside and the one before it used (`CheckpointManager.restore_latest`).
+
+`Preemption` turns SIGTERM into "finish this step, save, exit 0", agreed by all hosts.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
+import signal
+import zlib
 
 import tensorflow as tf
+from tensorflow.experimental import dtensor
 
 from tfpod import UserError
 
@@ -27,9 +45,12 @@ def complete_steps(directory: str) -> list[int]:
     steps = []
     for index in tf.io.gfile.glob(os.path.join(directory, "ckpt-*.index")):
         prefix = index[: -len(".index")]
+        number = prefix.rsplit("-", 1)[1]
+        if not number.isdigit():  # ckpt-N.corrupt.K: moved aside
+            continue
         data = tf.io.gfile.glob(prefix + ".data-*-of-*")
         if data and len(data) == int(data[0].rsplit("-of-", 1)[1]):
-            steps.append(int(prefix.rsplit("-", 1)[1]))
+            steps.append(int(number))
     return sorted(steps)
 
 
@@ -55,40 +76,216 @@ class CheckpointManager:
         """Restores a given checkpoint (a prefix such as model_dir/checkpoints/ckpt-40)."""
         if not tf.io.gfile.exists(path + ".index"):
             raise UserError(f"--checkpoint={path}: no such checkpoint (expected {path}.index)")
-        try:
-            self._ckpt.restore(path).expect_partial()
-        except (ValueError, tf.errors.OpError) as e:
-            raise UserError(f"checkpoint {path} does not fit this model ({str(e).splitlines()[0]})") from None
+        self._restore(path, "use the gin config it was trained with")
         return int(self._step.numpy())
 
-    def restore_latest(self) -> int | None:
-        """Restores the newest complete checkpoint if there is one; returns its step or None."""
-        steps = self.complete_steps()
-        if not steps:
-            if self._manager.latest_checkpoint:
-                log.warning("checkpoint %s is incomplete and no complete one exists: starting from scratch",
-                            self._manager.latest_checkpoint)
-            return None
-        path = os.path.join(self.directory, f"ckpt-{steps[-1]}")
-        if self._manager.latest_checkpoint and self._manager.latest_checkpoint != path:
-            log.warning("newest checkpoint %s is incomplete (a host stopped while saving): resuming from %s",
-                        self._manager.latest_checkpoint, path)
+    def _restore(self, path: str, fix: str) -> None:
+        """Restores `path` after checking it holds exactly this model's variables and shapes.
+
+        Raises:
+          UserError: the checkpoint is of another model (names the variables that differ).
+          tf.errors.DataLossError: its files are corrupt (checksum or format).
+        """
+        problem = mismatch(self._ckpt, path)
+        if problem:
+            raise UserError(f"checkpoint {path} is not of this model: {problem}; {fix}")
         try:
             self._ckpt.restore(path).assert_existing_objects_matched()
-        except (AssertionError, ValueError, tf.errors.OpError) as e:
-            raise UserError(
-                f"checkpoint {path} does not fit this model ({str(e).splitlines()[0]}): "
-                "use the gin config it was trained with, or a new --model_dir"
-            ) from None
-        step = int(self._step.numpy())
-        log.info("resumed from %s at step %d", path, step)
-        return step
+        except (AssertionError, ValueError) as e:
+            raise UserError(f"checkpoint {path} is not of this model ({_first_line(e)}); {fix}") from None
+
+    def restore_latest(self) -> int | None:
+        """Restores the newest complete, readable checkpoint if there is one; returns its step or None.
+
+        A checkpoint missing data shards (a host stopped while saving) is skipped; one whose
+        files fail to read (checksum mismatch, truncated) is moved aside to
+        `ckpt-N.corrupt.*`, so that no later save writes over it, and the one before it is used.
+        """
+        steps = self.complete_steps()
+        latest = self._manager.latest_checkpoint
+        if not steps:
+            if latest:
+                log.warning("checkpoint %s is incomplete and no complete one exists: starting from scratch", latest)
+            return None
+        if latest and latest != os.path.join(self.directory, f"ckpt-{steps[-1]}"):
+            log.warning("newest checkpoint %s is incomplete (a host stopped while saving): skipping it", latest)
+        fix = "use the gin config it was trained with, or a new --model_dir"
+        for step in reversed(steps):
+            path = os.path.join(self.directory, f"ckpt-{step}")
+            try:
+                verify(path)
+            except (tf.errors.OpError, RuntimeError) as e:
+                # every host finds the same files corrupt; host 0 alone moves them
+                moved = quarantine(path) if dtensor.client_id() == 0 else "*.corrupt.* by host 0"
+                log.warning("checkpoint %s is corrupt (%s): moved it to %s; trying the one before it",
+                            path, _first_line(e), moved)
+                continue
+            self._restore(path, fix)
+            restored = int(self._step.numpy())
+            log.info("resumed from %s at step %d", path, restored)
+            return restored
+        raise UserError(f"every checkpoint in {self.directory} is corrupt (moved aside as *.corrupt.*): "
+                        "restore the folder from a backup, or start a new --model_dir")
 
     def save(self) -> str:
         step = int(self._step.numpy())
         path = self._manager.save(checkpoint_number=step)
         log.info("saved checkpoint %s", path)
         return path
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0][:300] if text else type(e).__name__
+
+
+def verify(path: str) -> None:
+    """Reads every tensor of checkpoint `path` on the host, checking each one's checksum.
+
+    A failed read inside the sharded restore would poison the eager executor, so the
+    files are checked first, without the mesh, one tensor at a time.
+
+    Raises:
+      tf.errors.OpError: a file is corrupt or truncated (a checksum or the format fails).
+    """
+    reader = tf.train.load_checkpoint(path)
+    for key in reader.get_variable_to_shape_map():
+        reader.get_tensor(key)
+
+
+def quarantine(path: str) -> str:
+    """Renames checkpoint `path`'s files to `path.corrupt.<n>...`; returns the new prefix."""
+    n = 0
+    while tf.io.gfile.glob(f"{path}.corrupt.{n}*"):
+        n += 1
+    target = f"{path}.corrupt.{n}"
+    for f in tf.io.gfile.glob(path + ".*"):
+        if ".corrupt." not in f:
+            tf.io.gfile.rename(f, target + f[len(path):])
+    return target
+
+
+def variables_by_key(ckpt: tf.train.Checkpoint) -> dict[str, tf.Variable]:
+    """{checkpoint key: variable} of every variable `ckpt` saves (optimizer slots included)."""
+    from tensorflow.python.checkpoint import graph_view, util
+
+    objects, _, _, _, names = util.objects_ids_and_slot_variables_and_paths(graph_view.ObjectGraphView(ckpt))
+    return {f"{names[o]}/.ATTRIBUTES/VARIABLE_VALUE": o for o in objects if isinstance(o, tf.Variable)}
+
+
+def mismatch(ckpt: tf.train.Checkpoint, path: str, show: int = 3, weights_only: bool = False) -> str | None:
+    """What differs between the variables in checkpoint `path` and those `ckpt` holds (None: they match).
+
+    Names up to `show` variables of each kind: missing from the checkpoint, in the
+    checkpoint but not in the model, and stored with another shape. With `weights_only`,
+    the checkpoint's optimizer state is not counted as extra (`ckpt` holds only `model`).
+    """
+    stored = {k: tuple(v) for k, v in tf.train.list_variables(path)
+              if k.endswith("/.ATTRIBUTES/VARIABLE_VALUE") and not k.startswith("save_counter/")
+              and not (weights_only and (k.startswith("optimizer/") or "/.OPTIMIZER_SLOT/" in k))}
+    expected = {k: tuple(v.shape.as_list()) for k, v in variables_by_key(ckpt).items()
+                if not k.startswith("save_counter/")}
+    short = lambda k: k[: -len("/.ATTRIBUTES/VARIABLE_VALUE")]
+    listed = lambda keys: ", ".join(keys[:show]) + (f" and {len(keys) - show} more" if len(keys) > show else "")
+    parts = []
+    order = lambda k: (".OPTIMIZER_SLOT" in k, k)  # weights first, then optimizer slots
+    missing = [short(k) for k in sorted(expected.keys() - stored.keys(), key=order)]
+    extra = [short(k) for k in sorted(stored.keys() - expected.keys(), key=order)]
+    shapes = [f"{short(k)} {list(stored[k])} vs {list(v)} here" for k, v in sorted(expected.items(), key=lambda kv: order(kv[0]))
+              if k in stored and stored[k] != v]
+    if missing:
+        parts.append(f"{len(missing)} variable(s) of this model are not in it ({listed(missing)})")
+    if extra:
+        parts.append(f"{len(extra)} of its variable(s) are not in this model ({listed(extra)})")
+    if shapes:
+        parts.append(f"{len(shapes)} shape(s) differ ({listed(shapes)})")
+    return "; ".join(parts) or None
+
+
+def _step_seed(step: tf.Variable, layer_seed: int) -> tf.Tensor:
+    """The stateless seed of one dropout layer at the current step: [layer_seed, step]."""
+    return tf.stack([tf.constant(layer_seed, tf.int64), tf.cast(step, tf.int64)])
+
+
+def replayable_dropout(model: tf.Module, step: tf.Variable, seed: int) -> int:
+    """Makes every dropout layer of `model` draw its masks from (seed, layer, step).
+
+    Keras dropout under `enable_tf_random_generator` draws from a random state that is
+    not in the checkpoint, so a resumed run would drop different units than the run it
+    continues. Stateless masks seeded by the step counter (which is checkpointed) make
+    the resumed steps the same as the uninterrupted ones, and make a recomputed block
+    draw the same masks as its forward pass.
+
+    Returns:
+      How many layers now draw replayable masks.
+    """
+    from tf_keras.src import backend
+
+    n = 0
+    for i, layer in enumerate(model._flatten_layers(include_self=False)):
+        gen = getattr(layer, "_random_generator", None)
+        if not isinstance(gen, backend.RandomGenerator):
+            continue
+        gen._rng_type, gen._generator, gen._built = gen.RNG_STATELESS, None, True
+        layer_seed = zlib.crc32(f"{seed}/{i}".encode()) & 0x7FFFFFFF  # not the name: unique per process
+        gen.make_seed_for_stateless_op = functools.partial(_step_seed, step, layer_seed)
+        n += 1
+    return n
+
+
+def any_host(mesh: dtensor.Mesh, flag: bool) -> bool:
+    """Whether `flag` is true on any host (a max over every device of the mesh)."""
+    rank = len(mesh.dim_names)
+    layout = dtensor.Layout(list(mesh.dim_names), mesh)  # one element per device
+    local = [tf.fill([1] * rank, 1.0 if flag else 0.0)] * len(mesh.local_devices())
+    packed = dtensor.pack(local, layout)
+    total = _reduce_max(packed)
+    return bool(dtensor.unpack(total)[0].numpy() > 0)
+
+
+@tf.function
+def _reduce_max(x):
+    return tf.reduce_max(x)
+
+
+class Preemption:
+    """SIGTERM (a scheduler's preemption notice) as a request to save and stop.
+
+    While active, SIGTERM only sets a flag; the trainer asks `requested()` after each
+    call of the compiled loop, then saves a checkpoint and returns. On several hosts the
+    hosts agree (`any_host`), so all stop after the same step even when the signal
+    reaches them at different times.
+    """
+
+    def __init__(self, mesh: dtensor.Mesh, num_clients: int):
+        self.mesh, self.num_clients = mesh, num_clients
+        self.signaled = False
+        self._previous = None
+
+    def __enter__(self) -> "Preemption":
+        try:
+            self._previous = signal.signal(signal.SIGTERM, self._handle)
+        except ValueError:  # not the main thread: SIGTERM keeps its default action
+            log.debug("SIGTERM handler not installed (not the main thread)")
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._previous is not None:
+            signal.signal(signal.SIGTERM, self._previous)
+            self._previous = None
+
+    def _handle(self, signum, frame) -> None:
+        del frame
+        if not self.signaled:
+            log.warning("%s received: finishing this step, then saving a checkpoint and exiting",
+                        signal.Signals(signum).name)
+        self.signaled = True
+
+    def requested(self) -> bool:
+        """Whether any host was signaled (a collective when there are several hosts)."""
+        if self.num_clients == 1:
+            return self.signaled
+        return any_host(self.mesh, self.signaled)
 
 
 class InputCheckpoint:

@@ -57,7 +57,14 @@ def single_device_model(task, model_config, path: str):
     model = task.build(model_config)
     example = {k: tf.zeros([1] + list(s.shape[1:]), s.dtype) for k, s in task.input_signature(model_config).items()}
     model(task.model_inputs(example), training=False)  # creates the variables
-    status = tf.train.Checkpoint(model=model).restore(path)
+    from tfpod.checkpoint import mismatch
+
+    ckpt = tf.train.Checkpoint(model=model)
+    problem = mismatch(ckpt, path, weights_only=True)
+    if problem:
+        raise UserError(f"checkpoint {path} is not of this model: {problem}; export with the gin config it was "
+                        "trained with")
+    status = ckpt.restore(path)
     try:
         status.assert_existing_objects_matched()
     except (AssertionError, ValueError) as e:

@@ -5,9 +5,12 @@
 Starts one process per host with free loopback ports and the standard DTensor
 environment (DTENSOR_CLIENT_ID, DTENSOR_NUM_CLIENTS, DTENSOR_JOB_NAME, DTENSOR_JOBS)
 plus TFPOD_CPU_DEVICES (logical CPU devices per host). Every output line is prefixed
-with `[host h]`. When any host exits non-zero, the others are stopped and the launcher
-exits non-zero with one line naming that host. On a real cluster run the same command
-once per host with the same DTENSOR_* variables (see README).
+with `[host h]`. When any host exits non-zero, the others are killed (they cannot go on
+without it; the last complete checkpoint is intact) and the launcher exits non-zero with
+one line naming that host. SIGTERM to the launcher (a preemption notice) is passed to
+every host: they finish the current step, save a checkpoint and exit 0, and so does the
+launcher. On a real cluster run the same command once per host with the same DTENSOR_*
+variables (see README).
 """
 
 from __future__ import annotations
@@ -74,6 +77,18 @@ def launch(num_hosts: int, devices_per_host: int, command: list[str], out=sys.st
         threading.Thread(target=_pump, args=(p.stdout, f"[host {h}] ", out), daemon=True).start()
         procs.append(p)
     failed = None
+
+    def forward(signum, frame):  # preemption: every host saves and exits 0
+        del frame
+        print(f"launcher: {signal.Signals(signum).name}: passing it to every host", file=sys.stderr, flush=True)
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signum)
+
+    try:
+        previous = signal.signal(signal.SIGTERM, forward)
+    except ValueError:  # not the main thread: SIGTERM keeps its default action
+        previous = None
     try:
         while True:
             codes = [p.poll() for p in procs]
@@ -86,17 +101,16 @@ def launch(num_hosts: int, devices_per_host: int, command: list[str], out=sys.st
             time.sleep(0.2)
     except KeyboardInterrupt:
         failed = (None, 130)
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
     if failed is not None:
+        # The others wait in collectives for the lost host: they cannot save, so they are killed.
         for p in procs:
             if p.poll() is None:
-                os.killpg(p.pid, signal.SIGTERM)
-        deadline = time.time() + 10
-        for p in procs:
-            try:
-                p.wait(timeout=max(0.1, deadline - time.time()))
-            except subprocess.TimeoutExpired:
                 os.killpg(p.pid, signal.SIGKILL)
-                p.wait()
+        for p in procs:
+            p.wait()
     time.sleep(0.2)  # let the output threads drain
     if failed is None:
         return 0

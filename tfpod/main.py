@@ -162,6 +162,19 @@ def setup_logging(verbose: bool = False) -> None:
     logger.setLevel(logging.DEBUG if verbose else logging.INFO)
 
 
+def check_writable(model_dir: str) -> None:
+    """Creates model_dir and writes a scratch file in it; one UserError line when it cannot."""
+    probe = os.path.join(model_dir, f".tfpod-write-check-{os.getpid()}")
+    try:
+        os.makedirs(model_dir, exist_ok=True)
+        with open(probe, "w") as f:
+            f.write("ok")
+        os.remove(probe)
+    except OSError as e:
+        raise UserError(f"--model_dir={model_dir} cannot be written ({e.strerror or e}): pass a folder this "
+                        "process may create and write, e.g. on a local or mounted disk") from None
+
+
 def run(
     gin_files: list[str],
     gin_params: list[str],
@@ -177,6 +190,8 @@ def run(
     if not model_dir:
         raise UserError("--model_dir is required: the folder for checkpoints, config.gin and metrics")
     parse_config(gin_files, gin_params)
+    if mode != "eval":
+        check_writable(model_dir)
     if mode == "export":  # a plain single-device copy: no mesh, no runtime
         from tfpod import export
 

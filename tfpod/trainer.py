@@ -28,6 +28,7 @@ from tfpod.input import feed
 log = logging.getLogger("tfpod")
 
 PRECISIONS = ("float32", "mixed_bfloat16")
+NONFINITE_POLICIES = ("stop", "skip", "rollback")
 
 
 @dataclasses.dataclass
@@ -49,6 +50,12 @@ class TrainConfig:
       target_metric: train_and_eval stops when this eval metric reaches target_value
         (loss and perplexity: at or below; others: at or above).
       target_value: see target_metric.
+      on_nonfinite: what a NaN or Inf loss does: "stop" (exit naming the step), "skip"
+        (leave the weights and optimizer state as they were, go on with the next batch) or
+        "rollback" (restore the last checkpoint and go on with the next batches, as Model
+        Garden's loss-blowup recovery does).
+      max_nonfinite: "skip": most steps skipped in a row; "rollback": most rollbacks
+        before a new checkpoint is reached. One more stops the run.
     """
 
     steps: int = 100
@@ -64,6 +71,8 @@ class TrainConfig:
     peak_flops: float | None = None
     target_metric: str | None = None
     target_value: float | None = None
+    on_nonfinite: str = "stop"
+    max_nonfinite: int = 3
 
     def reached(self, result: Mapping[str, float]) -> bool:
         """Whether an eval result reaches the target (never without one)."""
@@ -84,9 +93,14 @@ class TrainConfig:
             raise UserError(f"train.eval_every={self.eval_every} must be >= 0")
         if self.precision not in PRECISIONS:
             raise UserError(f"train.precision={self.precision!r}: use one of {', '.join(PRECISIONS)}")
+        if self.on_nonfinite not in NONFINITE_POLICIES:
+            raise UserError(f"train.on_nonfinite={self.on_nonfinite!r}: use one of {', '.join(NONFINITE_POLICIES)}")
+        if self.max_nonfinite < 1:
+            raise UserError(f"train.max_nonfinite={self.max_nonfinite} must be at least 1")
 
 
-def make_train_loop(model, update: optimizers.Update, loss_fn, clip_norm: float | None, steps_per_loop: int):
+def make_train_loop(model, update: optimizers.Update, loss_fn, clip_norm: float | None, steps_per_loop: int,
+                    skip_nonfinite: bool = False):
     """The compiled training loop: up to `steps_per_loop` steps per call.
 
     Args:
@@ -95,6 +109,8 @@ def make_train_loop(model, update: optimizers.Update, loss_fn, clip_norm: float 
       loss_fn: (model, batch, training) -> (loss, metrics).
       clip_norm: global-norm gradient clipping (None or 0: off).
       steps_per_loop: the leading dimension of the stacked batches.
+      skip_nonfinite: a step whose loss or gradient norm is NaN or Inf only advances the
+        step counter; weights and optimizer slots keep their values.
 
     Returns:
       fn(stacked_batches, num_steps) -> (losses [steps_per_loop], grad_norms
@@ -111,7 +127,14 @@ def make_train_loop(model, update: optimizers.Update, loss_fn, clip_norm: float 
             grads, norm = tf.clip_by_global_norm(grads, clip_norm)
         else:
             norm = tf.linalg.global_norm(grads)
-        update.apply(grads)
+        if not skip_nonfinite:
+            update.apply(grads)
+            return loss, norm
+
+        def skip():
+            update.optimizer.iterations.assign_add(1)  # the batch is consumed; the step counter stays in step
+
+        tf.cond(tf.math.is_finite(loss) & tf.math.is_finite(norm), lambda: update.apply(grads), skip)
         return loss, norm
 
     @tf.function
@@ -139,6 +162,57 @@ def _gather_scalar(x) -> np.ndarray:
         return dtensor.unpack(x)[0].numpy()
     except (ValueError, TypeError, tf.errors.InvalidArgumentError):
         return np.asarray(x)
+
+
+class NonfiniteGuard:
+    """Applies train.on_nonfinite to each call's losses (see TrainConfig)."""
+
+    def __init__(self, cfg: TrainConfig, checkpoints: checkpoint.CheckpointManager):
+        self.cfg, self.checkpoints = cfg, checkpoints
+        self.in_a_row = 0  # skip: steps skipped in a row; rollback: rollbacks since the last save
+
+    def saved(self) -> None:
+        if self.cfg.on_nonfinite == "rollback":
+            self.in_a_row = 0
+
+    def check(self, step: int, losses: np.ndarray) -> int | None:
+        """Raises, skips (logs) or rolls back for the non-finite losses of steps step+1...
+
+        Returns:
+          The step rolled back to, or None when training goes on from step + len(losses).
+        """
+        c, policy = self.cfg, self.cfg.on_nonfinite
+        bad = [(step + i + 1, float(x)) for i, x in enumerate(losses) if not np.isfinite(x)]
+        if policy == "skip":
+            for i, x in enumerate(losses):
+                self.in_a_row = 0 if np.isfinite(x) else self.in_a_row + 1
+                if self.in_a_row > c.max_nonfinite:
+                    self._stop(step + i + 1, float(x), f"after skipping {c.max_nonfinite} steps in a row")
+            for s, x in bad:
+                log.warning("loss became %s at step %d: skipped its update (train.on_nonfinite='skip')", x, s)
+            return None
+        if not bad:
+            return None
+        first, value = bad[0]
+        if policy == "stop":
+            self._stop(first, value)
+        self.in_a_row += 1
+        if self.in_a_row > c.max_nonfinite:
+            self._stop(first, value, f"after {c.max_nonfinite} rollback(s) without reaching a new checkpoint")
+        if self.checkpoints.latest is None:
+            self._stop(first, value, "with no checkpoint yet to roll back to")
+        restored = self.checkpoints.restore_latest()
+        log.warning("loss became %s at step %d: rolled back to the checkpoint of step %d; training goes on with "
+                    "the next batches (train.on_nonfinite='rollback', %d of %d)", value, first, restored,
+                    self.in_a_row, c.max_nonfinite)
+        return restored
+
+    def _stop(self, step: int, value: float, why: str = "") -> None:
+        raise UserError(
+            f"loss became {value} at step {step}{' ' + why if why else ''}: lower optimizer.learning_rate, raise "
+            f"optimizer.warmup_steps, set optimizer.clip_norm, or set train.on_nonfinite='skip' or 'rollback'; "
+            f"checkpoints up to {self.checkpoints.latest or 'none'} are intact"
+        )
 
 
 class Trainer:
@@ -201,8 +275,10 @@ class Trainer:
         self.checkpoints = checkpoint.CheckpointManager(
             model_dir, self.step_var, keep=train.keep_checkpoints, model=self.model, optimizer=self.optimizer
         )
+        self.dropout_layers = checkpoint.replayable_dropout(self.model, self.step_var, train.seed)
         self._compiled_loop = make_train_loop(
-            self.model, self.update, task.loss_and_metrics, optimizer.clip_norm, train.steps_per_loop
+            self.model, self.update, task.loss_and_metrics, optimizer.clip_norm, train.steps_per_loop,
+            skip_nonfinite=train.on_nonfinite == "skip",
         )
         self._train_loop = self._compiled_loop
         self.tokens_per_step = train.global_batch_size * (self.seq_len or 1)
@@ -301,15 +377,19 @@ class Trainer:
           eval_batches: this host's eval batches (train_and_eval): evaluated every
             train.eval_every steps; the run stops early when train.target_* is reached.
 
+        SIGTERM (preemption) during training finishes the current call of the compiled loop,
+        saves a checkpoint and returns with "preempted" set; rerunning resumes from it.
+
         Returns:
-          {"step": final step, "loss": last logged loss, "losses": every step's loss}.
+          {"step": final step, "loss": last logged loss, "losses": every step's loss,
+          "preempted": whether SIGTERM stopped the run}.
         """
         c = self.cfg
         resumed = self.checkpoints.restore_latest()
         step = resumed or 0
         if step >= c.steps:
             log.info("already at step %d of train.steps=%d: nothing to train", step, c.steps)
-            return {"step": step, "loss": None, "losses": []}
+            return {"step": step, "loss": None, "losses": [], "preempted": False}
         input_ckpt = None
         if dataset_fn is None:
             batches = self.synthetic_batches(step)
@@ -320,7 +400,10 @@ class Trainer:
         rate = None  # seconds per step, excluding the first (compiling) call
         all_losses, last_loss = [], None
         first_call, traces_seen = True, self.traces
-        with sharding.activation_sharding(self.mesh, self.table):
+        nonfinite = NonfiniteGuard(c, self.checkpoints)
+        preempted = False
+        with sharding.activation_sharding(self.mesh, self.table), \
+                checkpoint.Preemption(self.mesh, self.info.num_clients) as preemption:
             while step < c.steps:
                 n = self._next_boundary(step) - step
                 stacked = self._stack([next(batches) for _ in range(n)])
@@ -343,20 +426,19 @@ class Trainer:
                 if not first_call:
                     rate = dt / n if rate is None else 0.7 * rate + 0.3 * dt / n
                 first_call = False
-                if not np.all(np.isfinite(losses)):
-                    bad = step + int(np.argmin(np.isfinite(losses))) + 1
-                    raise UserError(
-                        f"loss became {losses[~np.isfinite(losses)][0]} at step {bad}: lower optimizer.learning_rate, "
-                        f"raise optimizer.warmup_steps or set optimizer.clip_norm; checkpoints up to "
-                        f"{self.checkpoints.latest or 'none'} are intact"
-                    )
+                rolled_back_to = nonfinite.check(step, losses)
+                if rolled_back_to is not None:  # the weights, slots and step are the checkpoint's again
+                    del all_losses[max(0, rolled_back_to - start_step):]
+                    step = rolled_back_to
+                    window_losses, window_steps, t_window = [], 0, time.time()
+                    continue
                 step += n
                 all_losses.extend(float(x) for x in losses)
-                window_losses.extend(float(x) for x in losses)
+                window_losses.extend(float(x) for x in losses if np.isfinite(x))
                 window_steps += n
                 if step % c.log_every == 0 or step == c.steps:
                     elapsed = time.time() - t_window
-                    last_loss = float(np.mean(window_losses))
+                    last_loss = float(np.mean(window_losses)) if window_losses else float("nan")
                     self._log_train(step, last_loss, float(norms[-1]), window_steps, elapsed, rate)
                     window_losses, window_steps, t_window = [], 0, time.time()
                 reached = False
@@ -367,11 +449,15 @@ class Trainer:
                         log.info("reached %s %s %.4f at step %d, %s after the start of training",
                                  c.target_metric, "<=" if c.target_metric in ("loss", "perplexity") else ">=",
                                  c.target_value, step, datetime.timedelta(seconds=round(time.time() - t_start)))
-                if step % c.checkpoint_every == 0 or step == c.steps or reached:
+                preempted = preemption.requested()
+                if step % c.checkpoint_every == 0 or step == c.steps or reached or preempted:
                     if input_ckpt:
                         input_ckpt.save(step)  # first, so the model checkpoint always has its input position
-                    self.checkpoints.save()
-                if reached:
+                    saved = self.checkpoints.save()
+                    nonfinite.saved()
+                    if preempted:
+                        log.warning("preempted: saved %s at step %d; rerun the same command to resume", saved, step)
+                if reached or preempted:
                     break
         log.info(
             "trained steps %d..%d in %s; final loss %.4f",
@@ -379,7 +465,7 @@ class Trainer:
         )
         if self._writer:
             self._writer.flush()
-        return {"step": step, "loss": last_loss, "losses": all_losses}
+        return {"step": step, "loss": last_loss, "losses": all_losses, "preempted": preempted}
 
     def evaluate(self, host_batches, step: int | None = None, extra: Mapping | None = None) -> dict:
         """One full pass over this host's eval batches on the mesh; logs and records it.

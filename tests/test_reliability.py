@@ -1,0 +1,271 @@
+"""Failure and recovery: kill -9 and SIGTERM mid-run, corrupt and partial checkpoints,
+checkpoints moved between meshes, NaN losses, and bad input that must stop in one line."""
+
+import glob
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+import tensorflow as tf
+from tensorflow.experimental import dtensor
+
+from tfpod import UserError, checkpoint, optimizers, sharding
+from tfpod.input import feed
+from tfpod.main import run
+from tfpod.mesh import make_mesh
+from tfpod.models import gpt
+from tfpod.trainer import TrainConfig, Trainer
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SMALL = dict(vocab_size=256, seq_len=32, num_layers=1, embed_dim=64, num_heads=8, mlp_dim=128)
+
+
+def checkpoint_values(path: str) -> dict[str, np.ndarray]:
+    """Every variable stored in checkpoint `path`, read without a mesh."""
+    return {k: tf.train.load_variable(path, k) for k, _ in tf.train.list_variables(path)
+            if k.endswith("/.ATTRIBUTES/VARIABLE_VALUE") and not k.startswith("save_counter")}
+
+
+def logged_losses(model_dir) -> dict[int, float]:
+    """step -> loss from metrics.jsonl; a step logged twice (replayed after a kill) keeps the last."""
+    out = {}
+    for line in open(os.path.join(model_dir, "metrics.jsonl")):
+        r = json.loads(line)
+        if r["kind"] == "train":
+            out[r["step"]] = r["loss"]
+    return out
+
+
+# -- kill -9 and SIGTERM --------------------------------------------------------------------
+
+# Real input (the default corpus, tokenized and packed), dropout on, a checkpoint every 4 steps.
+KILL_PARAMS = ["gpt.num_layers=1", "gpt.dropout=0.2", "gpt.attention_dropout=0.2", "sharding.preset='data'",
+               "train.steps=24", "train.global_batch_size=16", "train.steps_per_loop=1", "train.log_every=1",
+               "train.checkpoint_every=4", "optimizer.warmup_steps=0", "optimizer.decay_steps=24"]
+
+
+def _wait_for_step(model_dir, above: int, proc, timeout=300):
+    """Waits until metrics.jsonl logs a step > `above` (or the process ends)."""
+    deadline = time.time() + timeout
+    while time.time() < deadline and proc.poll() is None:
+        try:
+            if max(logged_losses(model_dir), default=0) > above:
+                return
+        except (OSError, ValueError):  # the file is being written
+            pass
+        time.sleep(0.05)
+
+
+def test_kill9_then_sigterm_then_relaunch_equals_an_uninterrupted_run(tmp_path):
+    """SIGKILL mid-run and relaunch; SIGTERM (preemption) mid-run: it saves and exits 0; the
+    relaunch finishes. Every step's loss and the final weights equal an uninterrupted run
+    with the same seed (input position, step, optimizer slots and dropout masks restore)."""
+    ref = run(["gin/lm_tiny.gin"], KILL_PARAMS, str(tmp_path / "ref"), mesh_spec="data:8")
+    d = tmp_path / "run"
+    cmd = [sys.executable, "main.py", "--gin_file=gin/lm_tiny.gin", "--cpu_devices=8", "--mesh=data:8",
+           f"--model_dir={d}"] + [f"--gin_param={p}" for p in KILL_PARAMS]
+    start = lambda: subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+    first = start()
+    _wait_for_step(d, 5, first)  # past the checkpoint of step 4
+    first.send_signal(signal.SIGKILL)
+    first.communicate(timeout=60)
+    assert first.returncode == -signal.SIGKILL, "the run ended before it could be killed"
+    killed_at = max(logged_losses(d))
+
+    second = start()
+    _wait_for_step(d, killed_at + 2, second)
+    second.send_signal(signal.SIGTERM)
+    _, err = second.communicate(timeout=120)
+    assert second.returncode == 0, err[-3000:]
+    assert "SIGTERM received: finishing this step" in err and "preempted: saved" in err, err[-3000:]
+    preempted_at = int(err.split("preempted: saved ")[1].split(" at step ")[1].split(";")[0])
+    assert killed_at < preempted_at < 24 and os.path.exists(d / "checkpoints" / f"ckpt-{preempted_at}.index")
+    assert os.path.exists(d / "checkpoints" / "input-host0" / f"ckpt-{preempted_at}.index")
+
+    third = start()
+    _, err = third.communicate(timeout=300)
+    assert third.returncode == 0, err[-3000:]
+    assert f"at step {preempted_at}" in err and "input resumed" in err
+
+    losses = logged_losses(d)
+    assert sorted(losses) == list(range(1, 25))
+    np.testing.assert_allclose([losses[s] for s in range(1, 25)], ref["losses"], rtol=1e-6)
+    want, got = checkpoint_values(str(tmp_path / "ref" / "checkpoints" / "ckpt-24")), checkpoint_values(
+        str(d / "checkpoints" / "ckpt-24"))
+    assert want.keys() == got.keys() and len(want) > 20
+    for k in want:
+        np.testing.assert_allclose(got[k], want[k], rtol=1e-6, atol=1e-7, err_msg=k)
+
+
+# -- checkpoints ----------------------------------------------------------------------------
+
+
+def train(model_dir, mesh_spec="data:4,model:2", preset="tensor", steps=4, model=None, task=gpt, **kw):
+    cfg = gpt.GPTConfig(**{**SMALL, **(model or {})})
+    args = dict(steps=steps, global_batch_size=16, steps_per_loop=2, log_every=2, checkpoint_every=100,
+                synthetic_data=True, seed=1)
+    args.update(kw)
+    opt = optimizers.OptimizerConfig(learning_rate=1e-2, warmup_steps=0, decay_steps=8)
+    return Trainer(task, cfg, TrainConfig(**args), opt, make_mesh(mesh_spec), sharding.rules_table(preset),
+                   str(model_dir))
+
+
+def test_resume_is_exact_past_corrupt_and_partial_checkpoints(tmp_path, caplog):
+    """8 steps straight, against: 4 steps; the newest checkpoint corrupted (its checksum fails),
+    so the rerun uses the one before and moves the corrupt one aside; then a checkpoint left
+    without its data (a host died saving) is skipped. Every resumed step matches (rel 1e-6)."""
+    full = train(tmp_path / "full", steps=8).train()["losses"]
+    d = tmp_path / "split"
+    out = train(d, steps=4, checkpoint_every=2).train()
+    np.testing.assert_allclose(out["losses"], full[:4], rtol=1e-6)
+
+    data = glob.glob(str(d / "checkpoints" / "ckpt-4.data-*"))[0]
+    raw = bytearray(open(data, "rb").read())
+    raw[len(raw) // 2: len(raw) // 2 + 64] = bytes(64)  # flipped bytes: the tensor checksums fail
+    open(data, "wb").write(bytes(raw))
+    with caplog.at_level(logging.WARNING, logger="tfpod"):
+        out = train(d, steps=6, checkpoint_every=2).train()
+    assert "checkpoint " + str(d / "checkpoints" / "ckpt-4") + " is corrupt" in caplog.text
+    assert len(out["losses"]) == 4  # resumed at step 2
+    np.testing.assert_allclose(out["losses"], full[2:6], rtol=1e-6)
+    assert glob.glob(str(d / "checkpoints" / "ckpt-4.corrupt.0.data-*"))  # kept, not overwritten
+
+    for f in glob.glob(str(d / "checkpoints" / "ckpt-6.data-*")):
+        os.remove(f)
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="tfpod"):
+        trainer = train(d, steps=8, checkpoint_every=2)
+        out = trainer.train()
+    assert "ckpt-6 is incomplete" in caplog.text and len(out["losses"]) == 4  # resumed at step 4
+    np.testing.assert_allclose(out["losses"], full[4:], rtol=1e-6)
+    assert int(trainer.step_var.numpy()) == 8
+    again = train(d, steps=8).train()
+    assert again["losses"] == [] and again["step"] == 8  # nothing left to train
+
+
+def _gathered(v) -> np.ndarray:
+    value = v.read_value()
+    return dtensor.unpack(dtensor.relayout(value, dtensor.Layout.replicated(dtensor.fetch_layout(value).mesh,
+                                                                            value.shape.rank)))[0].numpy()
+
+
+def assert_restores_identically(trainer: Trainer, path: str) -> None:
+    """Every weight and optimizer slot of `trainer` (after restoring) equals checkpoint `path`."""
+    stored = checkpoint_values(path)
+    live = checkpoint.variables_by_key(trainer.checkpoints._ckpt)
+    assert stored.keys() - {"save_counter/.ATTRIBUTES/VARIABLE_VALUE"} == live.keys() - {
+        "save_counter/.ATTRIBUTES/VARIABLE_VALUE"}
+    for k, v in live.items():
+        if k in stored:
+            np.testing.assert_array_equal(_gathered(v), stored[k], err_msg=k)
+
+
+# -- NaN and Inf losses ---------------------------------------------------------------------
+
+
+class PoisonedBatches:
+    """gpt whose loss is NaN on given synthetic batches (by batch index: a bad batch, not a bad step)."""
+
+    def __init__(self, batch_indices, seed=1):
+        cfg = gpt.GPTConfig(**SMALL)
+        self.sums = [int(gpt.synthetic_batch(cfg, 16, np.random.default_rng([seed, i]))["inputs"].astype(np.int64).sum())
+                     for i in batch_indices]
+
+    def __getattr__(self, name):
+        return getattr(gpt, name)
+
+    def loss_and_metrics(self, model, batch, training):
+        loss, metrics = gpt.loss_and_metrics(model, batch, training)
+        total = tf.reduce_sum(tf.cast(batch["inputs"], tf.int64))
+        bad = tf.reduce_any(tf.equal(total, tf.constant(self.sums, tf.int64)))
+        return loss + tf.where(bad, float("nan"), 0.0), metrics
+
+
+def test_nan_loss_stops_skips_or_rolls_back_and_checkpoints_move_between_meshes(tmp_path, caplog):
+    kw = dict(mesh_spec="data:8", preset="data", steps=6, steps_per_loop=1, log_every=1, checkpoint_every=2)
+    # stop (the default): the run ends naming the step; the checkpoint before it is intact.
+    with pytest.raises(UserError) as e:
+        train(tmp_path / "stop", task=PoisonedBatches([2]), **kw).train()  # batch 2 feeds step 3
+    assert str(e.value).startswith("loss became nan at step 3: ") and "train.on_nonfinite" in str(e.value)
+    assert "ckpt-2 are intact" in str(e.value) and "\n" not in str(e.value)
+
+    # That data:8 checkpoint restores on data:2,model:4 under the tensor preset with identical values.
+    moved = train(tmp_path / "stop", mesh_spec="data:2,model:4", preset="tensor", steps=6)
+    assert moved.checkpoints.restore_latest() == 2
+    assert dtensor.fetch_layout(moved.model.blocks[0].intermediate.kernel).sharding_specs == [
+        dtensor.UNSHARDED, "model"]
+    assert_restores_identically(moved, str(tmp_path / "stop" / "checkpoints" / "ckpt-2"))
+
+    # skip: the update of a NaN step is dropped; too many in a row stop the run.
+    with caplog.at_level(logging.WARNING, logger="tfpod"), pytest.raises(UserError) as e:
+        train(tmp_path / "skip", task=PoisonedBatches([2, 4, 5]), on_nonfinite="skip", max_nonfinite=1, **kw).train()
+    assert "loss became nan at step 3: skipped its update" in caplog.text
+    assert str(e.value).startswith("loss became nan at step 6 after skipping 1 steps in a row")
+    losses = logged_losses(tmp_path / "skip")
+    assert np.isfinite(losses[4]) and np.isnan(losses[3])  # step 4 trained on unharmed weights
+
+    # rollback: back to the last checkpoint, on with the next batches.
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="tfpod"):
+        trainer = train(tmp_path / "back", task=PoisonedBatches([2]), on_nonfinite="rollback", **kw)
+        out = trainer.train()
+    assert "loss became nan at step 3: rolled back to the checkpoint of step 2" in caplog.text
+    assert out["step"] == 6 and len(out["losses"]) == 6 and np.all(np.isfinite(out["losses"]))
+    assert int(trainer.step_var.numpy()) == 6
+
+
+# -- bad input ------------------------------------------------------------------------------
+
+
+def test_checkpoint_of_another_model_names_the_variables(tmp_path):
+    train(tmp_path, mesh_spec="data:8", preset="data", steps=2).train()
+    before = sorted(os.listdir(tmp_path / "checkpoints"))
+    with pytest.raises(UserError) as e:
+        train(tmp_path, mesh_spec="data:8", preset="data", steps=4, model={"num_layers": 2}).train()
+    msg = str(e.value)
+    assert ("is not of this model: 48 variable(s) of this model are not in it (model/blocks/1/attention/"
+            "attention_output/bias, model/blocks/1/attention/attention_output/kernel, ") in msg
+    assert "use the gin config it was trained with" in msg and "\n" not in msg
+    with pytest.raises(UserError, match=r"shape\(s\) differ \(model/blocks/0/attention/attention_output/bias \[64\] "
+                                        r"vs \[32\] here"):
+        train(tmp_path, mesh_spec="data:8", preset="data", steps=4, model={"embed_dim": 32, "num_heads": 4}).train()
+    assert sorted(os.listdir(tmp_path / "checkpoints")) == before  # nothing written over
+
+
+def test_batch_must_divide_over_the_hosts_and_the_data_axis_over_the_hosts():
+    mesh = make_mesh("data:4,model:2")
+    with pytest.raises(UserError, match="global_batch_size=12 does not divide over the 8 hosts: use a multiple of 8"):
+        feed.host_rows(12, mesh, "data", num_hosts=8)
+    with pytest.raises(UserError, match="mesh axis 'data' of size 4 does not divide over the 8 hosts"):
+        feed.host_rows(16, mesh, "data", num_hosts=8)
+    assert feed.host_rows(16, mesh, "data", num_hosts=2) == 16  # one process holds every shard here
+
+
+@pytest.mark.parametrize(
+    "params,needle",
+    [
+        (["train.on_nonfinite='ignore'"], "train.on_nonfinite='ignore': use one of stop, skip, rollback"),
+        (["train.max_nonfinite=0"], "train.max_nonfinite=0 must be at least 1"),
+        (["train.no_such_knob=1"], "gin config: Configurable 'train' doesn't have a parameter named 'no_such_knob'"),
+    ],
+)
+def test_bad_settings_are_one_line(tmp_path, params, needle):
+    with pytest.raises(UserError) as e:
+        run(["gin/lm_tiny.gin"], params + ["train.synthetic_data=True"], str(tmp_path), mesh_spec="data:8")
+    assert needle in str(e.value) and "\n" not in str(e.value)
+
+
+def test_unwritable_model_dir_is_one_line(tmp_path):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("not a folder")
+    with pytest.raises(UserError) as e:
+        run(["gin/lm_tiny.gin"], ["train.synthetic_data=True"], str(blocker / "run"), mesh_spec="data:8")
+    assert str(e.value).startswith(f"--model_dir={blocker / 'run'} cannot be written (")
+    assert blocker.read_text() == "not a folder"
