@@ -36,7 +36,6 @@ once under a lock into a temporary folder renamed into place when complete.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import logging
@@ -48,7 +47,7 @@ import tensorflow as tf
 from tfpod import UserError
 from tfpod.input import files as files_lib
 from tfpod.input.pipeline import TaskInput, find_corrupt
-from tfpod.input.prepare import cache_lock, staged  # one cache lock and staging for every prepared data set
+from tfpod.input.prepare import cache_lock, demo_cli, staged  # one cache lock and staging for every prepared data set
 
 log = logging.getLogger("tfpod")
 
@@ -306,17 +305,8 @@ def image_input(cfg: ImageDataConfig, model_config, num_hosts: int, host_id: int
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m tfpod.input.images", description=__doc__.splitlines()[0])
-    parser.add_argument("--data_dir", default=None, help="output folder (default: $TFPOD_DATA_DIR/images-digits32 "
-                                                         "or ~/.cache/tfpod/images-digits32)")
-    parser.add_argument("--force", action="store_true", help="rebuild even if the demo set is there")
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
-    data_dir = args.data_dir or default_data_dir()
-    with cache_lock(data_dir):
-        manifest = prepare(data_dir, force=args.force)
-    print(json.dumps({"data_dir": data_dir, **manifest}))
-    return 0
+    return demo_cli("python -m tfpod.input.images", __doc__, default_data_dir(),
+                    lambda data_dir, force: prepare(data_dir, force=force), argv)
 
 
 if __name__ == "__main__":

@@ -31,6 +31,7 @@ import shutil
 import sys
 import sysconfig
 import tempfile
+from typing import Callable
 
 from tfpod import UserError
 
@@ -241,6 +242,31 @@ def ensure(data_dir: str | None = None, vocab_size: int = 2048) -> str:
     with cache_lock(data_dir):
         prepare(data_dir, (vocab_size,))
     return data_dir
+
+
+def demo_cli(prog: str, doc: str, default_dir: str, build: Callable[[str, bool], dict], argv=None) -> int:
+    """The command line of a demo-data module: `--data_dir`, `--force`, build under the cache lock.
+
+    Args:
+      prog: e.g. "python -m tfpod.input.images".
+      doc: the module docstring (its first line is the description).
+      default_dir: where the data goes without --data_dir (named in --help).
+      build: (data_dir, force) -> manifest, printed as JSON with the folder.
+    """
+    parser = argparse.ArgumentParser(prog=prog, description=doc.splitlines()[0])
+    parser.add_argument("--data_dir", default=None, help=f"output folder (default: {default_dir})")
+    parser.add_argument("--force", action="store_true", help="rebuild even if the demo data is there")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
+    data_dir = args.data_dir or default_dir
+    try:
+        with cache_lock(data_dir):
+            manifest = build(data_dir, args.force)
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    print(json.dumps({"data_dir": data_dir, **manifest}))
+    return 0
 
 
 def main(argv=None) -> int:

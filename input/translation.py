@@ -43,7 +43,6 @@ English; ids pad=0, unk=1, bos=2, eos=3).
 
 from __future__ import annotations
 
-import argparse
 import ast
 import dataclasses
 import functools
@@ -417,17 +416,8 @@ def translation_input(cfg: TranslationDataConfig, model_config, num_hosts: int, 
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m tfpod.input.translation", description=__doc__.splitlines()[0])
-    parser.add_argument("--data_dir", default=None, help="output folder (default: $TFPOD_DATA_DIR/docstrings-<python "
-                                                         "version> or ~/.cache/tfpod/docstrings-<python version>)")
-    parser.add_argument("--force", action="store_true", help="rebuild even if the demo set is there")
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
-    data_dir = args.data_dir or default_data_dir()
-    with prepare.cache_lock(data_dir):
-        manifest = prepare_demo(data_dir, force=args.force)
-    print(json.dumps({"data_dir": data_dir, **manifest}))
-    return 0
+    return prepare.demo_cli("python -m tfpod.input.translation", __doc__, default_data_dir(),
+                            lambda data_dir, force: prepare_demo(data_dir, force=force), argv)
 
 
 if __name__ == "__main__":

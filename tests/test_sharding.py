@@ -166,9 +166,9 @@ def test_golden_layouts(tmp_path, model, preset, spec):
     parse_config([f"gin/model/{model}.gin"], [])
     task = get_task(_build_config("experiment").model)
     placement = sharding.ShardingConfig(preset=preset).trainer_args(task.DEFAULT_PRESET)
-    Trainer(task, _build_config(task.NAME), TrainConfig(steps=1, global_batch_size=8), optimizers.OptimizerConfig(),
-            make_mesh(spec), model_dir=str(tmp_path), **placement)
-    report = (tmp_path / "layouts.txt").read_text()
+    trainer = Trainer(task, _build_config(task.NAME), TrainConfig(steps=1, global_batch_size=8),
+                      optimizers.OptimizerConfig(), make_mesh(spec), model_dir=str(tmp_path), **placement)
+    report = trainer.layout_text  # (written to layouts.txt when training starts)
     path = os.path.join(GOLDEN, f"layouts_{model}_{preset}_{spec.replace(':', '').replace(',', '_')}.txt")
     if os.environ.get("TFPOD_UPDATE_GOLDEN"):
         os.makedirs(GOLDEN, exist_ok=True)

@@ -222,6 +222,7 @@ def run(
     t = trainer.Trainer(task, model_config, train_config, opt_config, mesh, model_dir=model_dir, **placement)
     if task_input is not None:
         t.corrupt_finder = task_input.find_corrupt
+    t.restore()  # a checkpoint that does not fit stops the run here, before config.gin is written
     if info.client_id == 0:
         with open(os.path.join(model_dir, "config.gin"), "w") as f:
             f.write(gin.operative_config_str())

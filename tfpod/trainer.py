@@ -268,9 +268,8 @@ class Trainer:
             title=f"{optimizer.name} optimizer state" + (f", update sharded over {update_axis!r}" if self.update.sharded else ""),
         )
         log.info("layouts:\n%s", report)
-        if self.is_chief:
-            with open(os.path.join(model_dir, "layouts.txt"), "w") as f:
-                f.write(report)
+        self.layout_text = report  # written to model_dir/layouts.txt once training starts
+        self._restored: tuple[int | None] | None = None
         self.step_var = self.optimizer.iterations
         self.checkpoints = checkpoint.CheckpointManager(
             model_dir, self.step_var, keep=train.keep_checkpoints, model=self.model, optimizer=self.optimizer
@@ -289,7 +288,16 @@ class Trainer:
         # Logical CPU devices share the host's cores, and the CPU peak is measured per host.
         units = self.info.num_clients if (self.info.device_type == "CPU" and not train.peak_flops) else self.info.num_global_devices
         self.peak_total = per_device * units
-        self._writer = tf.summary.create_file_writer(os.path.join(model_dir, "train")) if self.is_chief else None
+        self._writer = None  # TensorBoard's train/ writer, made at the first log line (host 0)
+
+    def restore(self) -> int | None:
+        """Restores the newest good checkpoint (if any) before anything is written; returns its step.
+
+        `train` uses this restore instead of its own when it was called first, so a caller
+        can check the checkpoint fits before writing its own files (main.py's config.gin).
+        """
+        self._restored = (self.checkpoints.restore_latest(),)
+        return self._restored[0]
 
     @property
     def traces(self) -> int:
@@ -385,7 +393,11 @@ class Trainer:
           "preempted": whether SIGTERM stopped the run}.
         """
         c = self.cfg
-        resumed = self.checkpoints.restore_latest()
+        resumed = self._restored[0] if self._restored is not None else self.checkpoints.restore_latest()
+        self._restored = None
+        if self.is_chief:  # only now: a run stopped by a checkpoint that does not fit writes nothing
+            with open(os.path.join(self.model_dir, "layouts.txt"), "w") as f:
+                f.write(self.layout_text)
         step = resumed or 0
         if step >= c.steps:
             log.info("already at step %d of train.steps=%d: nothing to train", step, c.steps)
@@ -525,6 +537,8 @@ class Trainer:
         }
         with open(os.path.join(self.model_dir, "metrics.jsonl"), "a") as f:
             f.write(json.dumps(record) + "\n")
+        if self._writer is None:
+            self._writer = tf.summary.create_file_writer(os.path.join(self.model_dir, "train"))
         with self._writer.as_default(step=step):
             for key in ("loss", "tokens_per_sec", "examples_per_sec", "mfu", "learning_rate", "grad_norm"):
                 tf.summary.scalar(key, record[key])

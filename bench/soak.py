@@ -1,0 +1,191 @@
+"""Soak: train_and_eval under random kills and relaunches, checked against an uninterrupted run.
+
+    python bench/soak.py [--seconds=600] [--steps=60] [--hosts=1] [--min_gap=3] [--max_gap=20]
+        [--sigterm_fraction=0.25] [--seed=0] [--out=runs/soak]
+
+First an uninterrupted reference: `main.py --mode=train_and_eval` on the default corpus
+(a small GPT with dropout, real tokenized and packed input, an eval every few steps, a
+checkpoint every few steps). Then the same command again and again in another folder:
+each launch is killed after a random time (SIGKILL, or with --sigterm_fraction a
+preemption SIGTERM, after which the run must save and exit 0) and relaunched, until
+--seconds have passed; the last launch then runs to the end. With --hosts=2 every launch
+is `tfpod.launch` with 2 local hosts and a SIGKILL hits one random host (the launcher
+then stops the other), as when a machine of a pod dies.
+
+Checks, against the reference: each step's loss (metrics.jsonl; a step replayed after a
+kill counts with its last value), each eval's metrics, and every value in the final
+checkpoint (weights and optimizer slots). The last line is one JSON object:
+{"kills", "sigterms", "launches", "steps", "max_loss_rel_dev", "max_eval_rel_dev",
+"max_weight_abs_dev", "exact" (every deviation within 1e-6), "seconds", ...}; the script
+exits 1 when a launch fails for another reason or the run is not exact.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def main_command(args, model_dir: str, eval_file: str) -> list[str]:
+    params = ["gpt.num_layers=1", "gpt.dropout=0.1", "gpt.attention_dropout=0.1", "sharding.preset='data'",
+              f"train.steps={args.steps}", "train.global_batch_size=16", "train.steps_per_loop=1", "train.log_every=1",
+              f"train.checkpoint_every={args.checkpoint_every}", f"train.eval_every={args.eval_every}",
+              f"train.seed={args.seed}", "optimizer.warmup_steps=0", f"optimizer.decay_steps={args.steps}",
+              f"lm_data.eval_files='{eval_file}'"]
+    main = [sys.executable, os.path.join(ROOT, "main.py"), "--gin_file=gin/lm_tiny.gin", "--mesh=data:8",
+            "--mode=train_and_eval", f"--model_dir={model_dir}"] + [f"--gin_param={p}" for p in params]
+    if args.hosts == 1:
+        return main + ["--cpu_devices=8"]
+    return [sys.executable, "-m", "tfpod.launch", f"--num_hosts={args.hosts}",
+            f"--devices_per_host={8 // args.hosts}", "--"] + main
+
+
+def first_eval_file() -> str:
+    """One eval shard of the default corpus (prepared on first use)."""
+    import glob
+
+    from tfpod.input import prepare
+
+    return sorted(glob.glob(prepare.split_paths(prepare.ensure(), "eval")))[0]
+
+
+def records(model_dir: str, kind: str) -> dict[int, dict]:
+    """step -> the last metrics.jsonl record of `kind` at that step."""
+    out = {}
+    path = os.path.join(model_dir, "metrics.jsonl")
+    if os.path.exists(path):
+        for line in open(path):
+            try:
+                r = json.loads(line)
+            except ValueError:  # a line cut by a kill
+                continue
+            if r.get("kind") == kind:
+                out[r["step"]] = r
+    return out
+
+
+def host_pids(model_dir: str) -> list[int]:
+    """Processes of this run's hosts (main.py with this --model_dir and a DTensor client id)."""
+    pids = []
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            cmdline = open(f"/proc/{pid}/cmdline", "rb").read()
+            env = open(f"/proc/{pid}/environ", "rb").read()
+        except OSError:
+            continue
+        if f"--model_dir={model_dir}".encode() in cmdline and b"DTENSOR_CLIENT_ID=" in env and b"main.py" in cmdline:
+            pids.append(int(pid))
+    return pids
+
+
+def rel_dev(a: float, b: float) -> float:
+    return abs(a - b) / max(abs(b), 1e-12)
+
+
+def checkpoint_dev(a: str, b: str) -> float:
+    import numpy as np
+    import tensorflow as tf
+
+    keys = [k for k, _ in tf.train.list_variables(b) if k.endswith("VARIABLE_VALUE") and not k.startswith("save_counter")]
+    if sorted(keys) != sorted(k for k, _ in tf.train.list_variables(a) if k.endswith("VARIABLE_VALUE")
+                              and not k.startswith("save_counter")):
+        return float("inf")
+    return max(float(np.max(np.abs(tf.train.load_variable(a, k).astype(np.float64) - tf.train.load_variable(b, k))))
+               for k in keys)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--seconds", type=float, default=600, help="how long to keep killing and relaunching")
+    parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--checkpoint_every", type=int, default=4)
+    parser.add_argument("--eval_every", type=int, default=10)
+    parser.add_argument("--hosts", type=int, default=1, choices=(1, 2, 4, 8))
+    parser.add_argument("--min_gap", type=float, default=3, help="least seconds between a launch and its kill")
+    parser.add_argument("--max_gap", type=float, default=20, help="most seconds between a launch and its kill")
+    parser.add_argument("--sigterm_fraction", type=float, default=0.25, help="share of kills that are SIGTERM")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", default=os.path.join(ROOT, "runs", "soak"))
+    args = parser.parse_args()
+    rng = random.Random(args.seed)
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    ref_dir, run_dir = os.path.join(args.out, "reference"), os.path.join(args.out, "killed")
+    for d in (ref_dir, run_dir):
+        shutil.rmtree(d, ignore_errors=True)
+    log = lambda *a: print("soak:", *a, file=sys.stderr, flush=True)
+
+    eval_file = first_eval_file()
+    t0 = time.time()
+    ref = subprocess.run(main_command(args, ref_dir, eval_file), cwd=ROOT, capture_output=True, text=True)
+    if ref.returncode:
+        print(ref.stderr[-3000:], file=sys.stderr)
+        print(json.dumps({"error": "the reference run failed"}))
+        return 1
+    log(f"reference: {args.steps} steps in {time.time() - t0:.0f}s")
+
+    t_start, kills, sigterms, launches, failure = time.time(), 0, 0, 0, None
+    while True:
+        launches += 1
+        proc = subprocess.Popen(main_command(args, run_dir, eval_file), cwd=ROOT, stdout=subprocess.DEVNULL,
+                                stderr=subprocess.PIPE, text=True, start_new_session=True)
+        soaking = time.time() - t_start < args.seconds
+        deadline = time.time() + rng.uniform(args.min_gap, args.max_gap)
+        while proc.poll() is None and (not soaking or time.time() < deadline):
+            time.sleep(0.1)
+        if proc.poll() is None:  # kill it
+            step = max(records(run_dir, "train"), default=0)
+            if rng.random() < args.sigterm_fraction:
+                sigterms += 1
+                proc.send_signal(signal.SIGTERM)  # (the launcher passes it to every host)
+                _, err = proc.communicate()
+                log(f"launch {launches}: SIGTERM near step {step}: exit {proc.returncode}")
+                if proc.returncode != 0:
+                    failure = f"a SIGTERM'd launch exited {proc.returncode}: {err.strip().splitlines()[-1:]}"
+                    break
+            else:
+                kills += 1
+                victims = host_pids(run_dir) if args.hosts > 1 else [proc.pid]
+                os.kill(rng.choice(victims) if victims else proc.pid, signal.SIGKILL)
+                proc.communicate()
+                log(f"launch {launches}: SIGKILL near step {step}")
+            continue
+        _, err = proc.communicate()
+        if proc.returncode != 0:
+            failure = f"launch {launches} exited {proc.returncode}: {err.strip().splitlines()[-1:]}"
+        break
+    seconds = time.time() - t_start
+
+    want_train, got_train = records(ref_dir, "train"), records(run_dir, "train")
+    want_eval, got_eval = records(ref_dir, "eval"), records(run_dir, "eval")
+    missing = sorted(set(want_train) - set(got_train)) + sorted(set(want_eval) - set(got_eval))
+    loss_dev = max((rel_dev(got_train[s]["loss"], r["loss"]) for s, r in want_train.items() if s in got_train),
+                   default=float("inf"))
+    metrics = [k for k, v in next(iter(want_eval.values()), {}).items()
+               if isinstance(v, float) and k not in ("time", "train_seconds")]
+    eval_dev = max((rel_dev(got_eval[s][k], r[k]) for s, r in want_eval.items() if s in got_eval for k in metrics),
+                   default=float("inf"))
+    final = f"checkpoints/ckpt-{args.steps}"
+    weight_dev = (checkpoint_dev(os.path.join(run_dir, final), os.path.join(ref_dir, final))
+                  if os.path.exists(os.path.join(run_dir, final + ".index")) else float("inf"))
+    exact = not failure and not missing and max(loss_dev, eval_dev) <= 1e-6 and weight_dev <= 1e-6
+    result = {"kills": kills, "sigterms": sigterms, "launches": launches, "steps": args.steps, "hosts": args.hosts,
+              "evals": len(want_eval), "max_loss_rel_dev": loss_dev, "max_eval_rel_dev": eval_dev,
+              "max_weight_abs_dev": weight_dev, "missing_steps": missing, "exact": exact,
+              "seconds": round(seconds, 1), "failure": failure}
+    print(json.dumps(result))
+    return 0 if exact else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
