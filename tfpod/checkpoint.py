@@ -248,41 +248,65 @@ def _reduce_max(x):
     return tf.reduce_max(x)
 
 
+_SIGTERM = {"received": False, "installed": False}
+
+
+def _on_sigterm(signum, frame) -> None:
+    del frame
+    if not _SIGTERM["received"]:
+        log.warning("%s received: finishing this step, then saving a checkpoint and exiting",
+                    signal.Signals(signum).name)
+    _SIGTERM["received"] = True
+
+
+def catch_sigterm() -> bool:
+    """From now on SIGTERM only sets the flag `Preemption.requested` reads (main.py calls this
+    first thing, so a preemption notice during start-up or after the last step ends the run
+    with status 0 too). Returns whether the handler is installed (only the main thread can)."""
+    if not _SIGTERM["installed"]:
+        try:
+            signal.signal(signal.SIGTERM, _on_sigterm)
+            _SIGTERM["installed"] = True
+        except ValueError:  # not the main thread: SIGTERM keeps its default action
+            log.debug("SIGTERM handler not installed (not the main thread)")
+    return _SIGTERM["installed"]
+
+
 class Preemption:
     """SIGTERM (a scheduler's preemption notice) as a request to save and stop.
 
     While active, SIGTERM only sets a flag; the trainer asks `requested()` after each
     call of the compiled loop, then saves a checkpoint and returns. On several hosts the
     hosts agree (`any_host`), so all stop after the same step even when the signal
-    reaches them at different times.
+    reaches them at different times. Used as a context manager around training; the
+    handler stays when `catch_sigterm` installed it before.
     """
 
     def __init__(self, mesh: dtensor.Mesh, num_clients: int):
         self.mesh, self.num_clients = mesh, num_clients
-        self.signaled = False
         self._previous = None
 
     def __enter__(self) -> "Preemption":
-        try:
-            self._previous = signal.signal(signal.SIGTERM, self._handle)
-        except ValueError:  # not the main thread: SIGTERM keeps its default action
-            log.debug("SIGTERM handler not installed (not the main thread)")
+        if not _SIGTERM["installed"]:
+            try:
+                self._previous = signal.signal(signal.SIGTERM, _on_sigterm)
+                _SIGTERM["installed"] = True
+            except ValueError:  # not the main thread: SIGTERM keeps its default action
+                log.debug("SIGTERM handler not installed (not the main thread)")
         return self
 
     def __exit__(self, *exc) -> None:
         if self._previous is not None:
             signal.signal(signal.SIGTERM, self._previous)
-            self._previous = None
+            _SIGTERM["installed"], self._previous = False, None
 
-    def _handle(self, signum, frame) -> None:
-        del frame
-        if not self.signaled:
-            log.warning("%s received: finishing this step, then saving a checkpoint and exiting",
-                        signal.Signals(signum).name)
-        self.signaled = True
+    @property
+    def signaled(self) -> bool:
+        """Whether this host received SIGTERM."""
+        return _SIGTERM["received"]
 
     def requested(self) -> bool:
-        """Whether any host was signaled (a collective when there are several hosts)."""
+        """Whether any host received SIGTERM (a collective when there are several hosts)."""
         if self.num_clients == 1:
             return self.signaled
         return any_host(self.mesh, self.signaled)

@@ -260,6 +260,9 @@ def main(argv) -> None:
         print(f"error: unexpected arguments {argv[1:]}: pass settings as --flags or --gin_param", file=sys.stderr)
         sys.exit(2)
     setup_logging(verbose=FLAGS.verbosity >= 1)
+    from tfpod import checkpoint
+
+    checkpoint.catch_sigterm()  # a preemption notice at any point ends the run with status 0
     try:
         from tfpod import runtime
 

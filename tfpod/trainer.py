@@ -416,6 +416,9 @@ class Trainer:
         preempted = False
         with sharding.activation_sharding(self.mesh, self.table), \
                 checkpoint.Preemption(self.mesh, self.info.num_clients) as preemption:
+            if preemption.requested():  # during start-up: nothing new to save
+                log.warning("preempted before the first step: nothing new to save; rerun the same command to resume")
+                return {"step": step, "loss": None, "losses": [], "preempted": True}
             while step < c.steps:
                 n = self._next_boundary(step) - step
                 stacked = self._stack([next(batches) for _ in range(n)])
