@@ -14,11 +14,13 @@ In one run on one machine, each measurement in its own fresh process, one after 
                 one CPU device by default), fp32, synthetic batches as
                 train.synthetic_data=True makes them
   tfpod_bf16    the same with train.precision=mixed_bfloat16
-  tfpod_real_input  the `tfpod` run fed by the LM's real input pipeline instead of
-                synthetic batches (gpt_small only): the default corpus (Python standard
-                library source, prepared on first use), SentencePiece 2048 in the graph,
-                concat packing to --seq_len, shuffled; `real_vs_synthetic` is its rate
-                over the `tfpod` run's
+  tfpod_real_input  the `tfpod` run fed by the task's real input pipeline on its default
+                demo data instead of synthetic batches: for gpt_small the default corpus
+                (Python standard library source, prepared on first use), SentencePiece
+                2048 in the graph, concat packing to --seq_len, shuffled; for bert_base the
+                same corpus masked online; for resnet50 the digits demo set decoded,
+                cropped and resized in the pipeline; `real_vs_synthetic` is its rate over
+                the `tfpod` run's
   keras_fit     the model written with stock tf_keras layers (plain_keras_model; for BERT,
                 which tf_keras lacks, the model class below), trained by
                 plain tf_keras `model.compile` + `model.fit` with default settings on
@@ -345,11 +347,9 @@ def run_tfpod(args) -> dict:
                                       **placement)
         trainer.checkpoints.save = lambda: None  # the final checkpoint is not part of the rate
         dataset_fn = None
-        if args.worker == "tfpod_real_input":  # the LM's real pipeline on the prepared default corpus
-            from tfpod.input import pipeline
-
+        if args.worker == "tfpod_real_input":  # the task's real pipeline on its default (prepared) demo data
             info = trainer.info
-            dataset_fn = task.make_input(pipeline.LMDataConfig(), cfg, info.num_clients, info.client_id, 0).train
+            dataset_fn = task.make_input(task.DataConfig(), cfg, info.num_clients, info.client_id, 0).train
         out = trainer.train(dataset_fn)
         if not trainer.is_chief:  # host 0 alone writes metrics.jsonl
             return {"host": trainer.info.client_id, "traces": trainer.traces}
