@@ -50,7 +50,7 @@ def test_meshes_give_the_single_device_loss(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     ref_losses = np.array([json.loads(l)["loss"] for l in open(ref_dir / "metrics.jsonl")])
     assert len(ref_losses) == 4 and np.ptp(ref_losses) > 1e-3  # the weights moved
-    for spec in ["data:8", "data:2,model:4"]:  # (data:4,model:2 against data:8: test_eval, test_presets)
+    for spec in ["data:8", "data:2,model:4"]:  # (data:4,model:2 against data:8: test_presets)
         out = run(["gin/lm_tiny.gin"], SMALL_PARAMS, str(tmp_path / spec.replace(":", "").replace(",", "_")), mesh_spec=spec)
         rel = np.abs(np.array(out["losses"]) - ref_losses) / np.abs(ref_losses)
         assert rel.max() < 1e-3, (spec, out["losses"], ref_losses)
