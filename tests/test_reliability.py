@@ -44,10 +44,10 @@ def logged_losses(model_dir) -> dict[int, float]:
 
 # -- kill -9 and SIGTERM --------------------------------------------------------------------
 
-# Real input (the default corpus, tokenized and packed), dropout on, a checkpoint every 4 steps.
+# Real input (the default corpus, tokenized and packed), dropout on, a checkpoint every 3 steps.
 KILL_PARAMS = ["gpt.num_layers=1", "gpt.dropout=0.2", "gpt.attention_dropout=0.2", "sharding.preset='data'",
-               "train.steps=16", "train.global_batch_size=16", "train.steps_per_loop=1", "train.log_every=1",
-               "train.checkpoint_every=4", "optimizer.warmup_steps=0", "optimizer.decay_steps=16"]
+               "train.steps=12", "train.global_batch_size=16", "train.steps_per_loop=1", "train.log_every=1",
+               "train.checkpoint_every=3", "optimizer.warmup_steps=0", "optimizer.decay_steps=12"]
 
 
 def _wait_for_step(model_dir, above: int, proc, timeout=300):
@@ -74,7 +74,7 @@ def test_kill9_then_sigterm_then_relaunch_equals_an_uninterrupted_run(tmp_path, 
     start = lambda: subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
     first = start()
-    _wait_for_step(d, 5, first)  # past the checkpoint of step 4
+    _wait_for_step(d, 4, first)  # past the checkpoint of step 3
     first.send_signal(signal.SIGKILL)
     first.communicate(timeout=60)
     assert first.returncode == -signal.SIGKILL, "the run ended before it could be killed"
@@ -87,7 +87,7 @@ def test_kill9_then_sigterm_then_relaunch_equals_an_uninterrupted_run(tmp_path, 
     assert second.returncode == 0, err[-3000:]
     assert "SIGTERM received: finishing this step" in err and "preempted: saved" in err, err[-3000:]
     preempted_at = int(err.split("preempted: saved ")[1].split(" at step ")[1].split(";")[0])
-    assert killed_at < preempted_at < 16 and os.path.exists(d / "checkpoints" / f"ckpt-{preempted_at}.index")
+    assert killed_at < preempted_at < 12 and os.path.exists(d / "checkpoints" / f"ckpt-{preempted_at}.index")
     assert os.path.exists(d / "checkpoints" / "input-host0" / f"ckpt-{preempted_at}.index")
 
     with caplog.at_level(logging.INFO, logger="tfpod"):
@@ -95,10 +95,10 @@ def test_kill9_then_sigterm_then_relaunch_equals_an_uninterrupted_run(tmp_path, 
     assert f"at step {preempted_at}" in caplog.text and "input resumed" in caplog.text
 
     losses = logged_losses(d)
-    assert sorted(losses) == list(range(1, 17))
-    np.testing.assert_allclose([losses[s] for s in range(1, 17)], ref["losses"], rtol=1e-6)
-    want, got = checkpoint_values(str(tmp_path / "ref" / "checkpoints" / "ckpt-16")), checkpoint_values(
-        str(d / "checkpoints" / "ckpt-16"))
+    assert sorted(losses) == list(range(1, 13))
+    np.testing.assert_allclose([losses[s] for s in range(1, 13)], ref["losses"], rtol=1e-6)
+    want, got = checkpoint_values(str(tmp_path / "ref" / "checkpoints" / "ckpt-12")), checkpoint_values(
+        str(d / "checkpoints" / "ckpt-12"))
     assert want.keys() == got.keys() and len(want) > 20
     for k in want:
         np.testing.assert_allclose(got[k], want[k], rtol=1e-6, atol=1e-7, err_msg=k)
@@ -118,33 +118,29 @@ def train(model_dir, mesh_spec="data:4,model:2", preset="tensor", steps=4, model
 
 
 def test_resume_is_exact_past_corrupt_and_partial_checkpoints(tmp_path, caplog):
-    """8 steps straight, against: 4 steps; the newest checkpoint corrupted (its checksum fails),
-    so the rerun uses the one before and moves the corrupt one aside; then a checkpoint left
-    without its data (a host died saving) is skipped. Every resumed step matches (rel 1e-6)."""
+    """8 steps straight, against: 6 steps (checkpoints 2, 4, 6), then ckpt-6 left without its
+    data (a host died saving) and ckpt-4 corrupted (its checksums fail): the rerun skips
+    the one, reports and moves aside the other, resumes from ckpt-2, and every resumed
+    step matches (rel 1e-6)."""
     full = train(tmp_path / "full", steps=8).train()["losses"]
     d = tmp_path / "split"
-    out = train(d, steps=4, checkpoint_every=2).train()
-    np.testing.assert_allclose(out["losses"], full[:4], rtol=1e-6)
+    out = train(d, steps=6, checkpoint_every=2).train()
+    np.testing.assert_allclose(out["losses"], full[:6], rtol=1e-6)
 
+    for f in glob.glob(str(d / "checkpoints" / "ckpt-6.data-*")):
+        os.remove(f)
     data = glob.glob(str(d / "checkpoints" / "ckpt-4.data-*"))[0]
     raw = bytearray(open(data, "rb").read())
     raw[len(raw) // 2: len(raw) // 2 + 64] = bytes(64)  # flipped bytes: the tensor checksums fail
     open(data, "wb").write(bytes(raw))
     with caplog.at_level(logging.WARNING, logger="tfpod"):
-        out = train(d, steps=6, checkpoint_every=2).train()
-    assert "checkpoint " + str(d / "checkpoints" / "ckpt-4") + " is corrupt" in caplog.text
-    assert len(out["losses"]) == 4  # resumed at step 2
-    np.testing.assert_allclose(out["losses"], full[2:6], rtol=1e-6)
-    assert glob.glob(str(d / "checkpoints" / "ckpt-4.corrupt.0.data-*"))  # kept, not overwritten
-
-    for f in glob.glob(str(d / "checkpoints" / "ckpt-6.data-*")):
-        os.remove(f)
-    caplog.clear()
-    with caplog.at_level(logging.WARNING, logger="tfpod"):
         trainer = train(d, steps=8, checkpoint_every=2)
         out = trainer.train()
-    assert "ckpt-6 is incomplete" in caplog.text and len(out["losses"]) == 4  # resumed at step 4
-    np.testing.assert_allclose(out["losses"], full[4:], rtol=1e-6)
+    assert "ckpt-6 is incomplete" in caplog.text
+    assert "checkpoint " + str(d / "checkpoints" / "ckpt-4") + " is corrupt" in caplog.text
+    assert len(out["losses"]) == 6  # resumed at step 2
+    np.testing.assert_allclose(out["losses"], full[2:], rtol=1e-6)
+    assert glob.glob(str(d / "checkpoints" / "ckpt-4.corrupt.0.data-*"))  # kept, not overwritten
     assert int(trainer.step_var.numpy()) == 8
     again = train(d, steps=8).train()
     assert again["losses"] == [] and again["step"] == 8  # nothing left to train
