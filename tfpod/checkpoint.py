@@ -92,7 +92,7 @@ class CheckpointManager:
         try:
             self._ckpt.restore(path).assert_existing_objects_matched()
         except (AssertionError, ValueError) as e:
-            raise UserError(f"checkpoint {path} is not of this model ({_first_line(e)}); {fix}") from None
+            raise UserError(f"checkpoint {path} is not of this model ({first_line(e)}); {fix}") from None
 
     def restore_latest(self) -> int | None:
         """Restores the newest complete, readable checkpoint if there is one; returns its step or None.
@@ -118,7 +118,7 @@ class CheckpointManager:
                 # every host finds the same files corrupt; host 0 alone moves them
                 moved = quarantine(path) if dtensor.client_id() == 0 else "*.corrupt.* by host 0"
                 log.warning("checkpoint %s is corrupt (%s): moved it to %s; trying the one before it",
-                            path, _first_line(e), moved)
+                            path, first_line(e), moved)
                 continue
             self._restore(path, fix)
             restored = int(self._step.numpy())
@@ -134,7 +134,8 @@ class CheckpointManager:
         return path
 
 
-def _first_line(e: BaseException) -> str:
+def first_line(e: BaseException) -> str:
+    """An exception's first line (at most 300 characters), for one-line messages."""
     text = str(e).strip()
     return text.splitlines()[0][:300] if text else type(e).__name__
 
@@ -259,16 +260,24 @@ def _on_sigterm(signum, frame) -> None:
     _SIGTERM["received"] = True
 
 
+def _install_sigterm_handler():
+    """Installs `_on_sigterm` unless it is; returns the handler it replaced (None: nothing replaced)."""
+    if _SIGTERM["installed"]:
+        return None
+    try:
+        previous = signal.signal(signal.SIGTERM, _on_sigterm)
+    except ValueError:  # not the main thread: SIGTERM keeps its default action
+        log.debug("SIGTERM handler not installed (not the main thread)")
+        return None
+    _SIGTERM["installed"] = True
+    return previous
+
+
 def catch_sigterm() -> bool:
     """From now on SIGTERM only sets the flag `Preemption.requested` reads (main.py calls this
     first thing, so a preemption notice during start-up or after the last step ends the run
     with status 0 too). Returns whether the handler is installed (only the main thread can)."""
-    if not _SIGTERM["installed"]:
-        try:
-            signal.signal(signal.SIGTERM, _on_sigterm)
-            _SIGTERM["installed"] = True
-        except ValueError:  # not the main thread: SIGTERM keeps its default action
-            log.debug("SIGTERM handler not installed (not the main thread)")
+    _install_sigterm_handler()
     return _SIGTERM["installed"]
 
 
@@ -287,12 +296,7 @@ class Preemption:
         self._previous = None
 
     def __enter__(self) -> "Preemption":
-        if not _SIGTERM["installed"]:
-            try:
-                self._previous = signal.signal(signal.SIGTERM, _on_sigterm)
-                _SIGTERM["installed"] = True
-            except ValueError:  # not the main thread: SIGTERM keeps its default action
-                log.debug("SIGTERM handler not installed (not the main thread)")
+        self._previous = _install_sigterm_handler()  # None when catch_sigterm installed it first
         return self
 
     def __exit__(self, *exc) -> None:

@@ -152,10 +152,6 @@ def make_train_loop(model, update: optimizers.Update, loss_fn, clip_norm: float 
     return train_loop
 
 
-def _first_line(e: BaseException) -> str:
-    return str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-
-
 def _gather_scalar(x) -> np.ndarray:
     """A replicated DTensor (or plain tensor) as a host numpy array."""
     try:
@@ -361,7 +357,7 @@ class Trainer:
                         "(global_batch / hosts rows of seq_len + 1 tokens); add data or lower train.global_batch_size"
                     ) from None
                 except tf.errors.DataLossError as e:
-                    raise UserError(f"corrupt input data ({_first_line(e)}): {self._corrupt_hint()}") from None
+                    raise UserError(f"corrupt input data ({checkpoint.first_line(e)}): {self._corrupt_hint()}") from None
                 yield {k: v.numpy() for k, v in batch.items()}
 
         return batches(), input_ckpt
