@@ -208,6 +208,26 @@ def _step_seed(step: tf.Variable, layer_seed: int) -> tf.Tensor:
     return tf.stack([tf.constant(layer_seed, tf.int64), tf.cast(step, tf.int64)])
 
 
+def _dropout(seed_fn, inputs: tf.Tensor, rate, noise_shape=None) -> tf.Tensor:
+    """tf.nn.experimental.stateless_dropout, with its mask drawn in `sharding.random_layout`.
+
+    On a mesh (inside `sharding.activation_sharding`) the uniform draw is relaid out to
+    the one layout all draws share, which keeps DTensor's per-device seeds right (see
+    `random_layout`); elsewhere it is TF's own stateless dropout.
+    """
+    from tfpod import sharding
+
+    active = sharding.active_context()
+    shape = inputs.shape if noise_shape is None else tf.TensorShape(
+        [d if d is not None else inputs.shape[i] for i, d in enumerate(noise_shape)])
+    if active is None or not shape.is_fully_defined():
+        return tf.nn.experimental.stateless_dropout(inputs, rate, seed=seed_fn(), noise_shape=noise_shape)
+    uniform = tf.random.stateless_uniform(shape, seed=seed_fn(), dtype=inputs.dtype)
+    uniform = dtensor.relayout(uniform, sharding.random_layout(shape.as_list(), active[0]))
+    keep = tf.cast(uniform >= rate, inputs.dtype)
+    return inputs * tf.cast(1.0 / (1.0 - rate), inputs.dtype) * keep
+
+
 def replayable_dropout(model: tf.Module, step: tf.Variable, seed: int) -> int:
     """Makes every dropout layer of `model` draw its masks from (seed, layer, step).
 
@@ -215,7 +235,8 @@ def replayable_dropout(model: tf.Module, step: tf.Variable, seed: int) -> int:
     not in the checkpoint, so a resumed run would drop different units than the run it
     continues. Stateless masks seeded by the step counter (which is checkpointed) make
     the resumed steps the same as the uninterrupted ones, and make a recomputed block
-    draw the same masks as its forward pass.
+    draw the same masks as its forward pass. On a mesh the masks are drawn in
+    `sharding.random_layout` (see `_dropout`), which keeps replicated weights' replicas equal.
 
     Returns:
       How many layers now draw replayable masks.
@@ -230,6 +251,7 @@ def replayable_dropout(model: tf.Module, step: tf.Variable, seed: int) -> int:
         gen._rng_type, gen._generator, gen._built = gen.RNG_STATELESS, None, True
         layer_seed = zlib.crc32(f"{seed}/{i}".encode()) & 0x7FFFFFFF  # not the name: unique per process
         gen.make_seed_for_stateless_op = functools.partial(_step_seed, step, layer_seed)
+        gen.dropout = functools.partial(_dropout, gen.make_seed_for_stateless_op)
         n += 1
     return n
 

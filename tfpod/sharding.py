@@ -330,6 +330,35 @@ def replicate(x: tf.Tensor) -> tf.Tensor:
     return dtensor.relayout(x, dtensor.Layout.replicated(mesh, x.shape.rank))
 
 
+def random_layout(shape: Sequence[int | None], mesh: dtensor.Mesh) -> dtensor.Layout:
+    """The one layout every random draw of a step on `mesh` is generated in.
+
+    DTensor gives each device of a sharded random op its own seed, computed from the
+    device's coordinates on the mesh axes the op's layout shards. It reuses that seed
+    computation between random ops of one function when their sharded axes match, but
+    the match compares only a prefix: an op sharded over `data` alone then takes the
+    seed of one sharded over `data` and `model`, and the devices of one `data` shard
+    draw different values for a tensor that is replicated over `model`. Under the
+    `tensor` preset that made the replicas of replicated weights drift apart as soon
+    as two dropouts with differently sharded inputs (embeddings and attention
+    probabilities) were on.
+
+    So every draw is made sharded over all axes of more than one device (the first
+    axis on the first dimension it divides, and so on), and relaid out to whatever
+    its consumer needs; a shape that cannot hold all of them is drawn replicated (each
+    device draws it whole, with the same seed). Either way the same seeds give the
+    same values on every device that holds the same element.
+    """
+    axes = [a for a in mesh.dim_names if mesh.dim_size(a) > 1]
+    specs = [dtensor.UNSHARDED] * len(shape)
+    for axis in axes:
+        free = [i for i, d in enumerate(shape) if specs[i] == dtensor.UNSHARDED and d and d % mesh.dim_size(axis) == 0]
+        if not free:
+            return dtensor.Layout.replicated(mesh, len(shape))
+        specs[free[0]] = axis
+    return dtensor.Layout(specs, mesh)
+
+
 # ---------------------------------------------------------------------------
 # Materializing a Keras model as sharded DVariables
 
