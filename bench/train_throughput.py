@@ -21,8 +21,7 @@ In one run on one machine, each measurement in its own fresh process, one after 
                 same corpus masked online; for resnet50 the digits demo set decoded,
                 cropped and resized in the pipeline; `real_vs_synthetic` is its rate over
                 the `tfpod` run's
-  keras_fit     the model written with stock tf_keras layers (plain_keras_model; for BERT,
-                which tf_keras lacks, the model class below), trained by
+  keras_fit     the model written with stock tf_keras layers (plain_keras_model), trained by
                 plain tf_keras `model.compile` + `model.fit` with default settings on
                 one device: x = the model's features, y = its labels, sample_weight =
                 its weights, the usual Keras loss (SparseCategoricalCrossentropy, or
@@ -31,8 +30,8 @@ In one run on one machine, each measurement in its own fresh process, one after 
                 the same `model.fit`: against `tfpod`, only the training loop differs
   model_garden  the model as Model Garden builds it (model_garden_model: for gpt_small
                 its OnDeviceEmbedding, PositionEmbedding and TransformerEncoderBlocks;
-                BERT and ResNet are tfpod's classes, which are Model Garden's
-                BertEncoderV2 and vision ResNet) and the Keras loss above, trained by
+                for bert_base its BertPretrainerV2 on BertEncoderV2; ResNet is tfpod's
+                class, which is Model Garden's vision ResNet) and the Keras loss above, trained by
                 tf-models-official's own trainer:
                 an `official.core.base_task.Task` (build_losses = the Keras loss
                 above) run by `official.core.base_trainer.Trainer` under an
@@ -108,13 +107,18 @@ def units_per_example(task, cfg) -> int:
 
 
 def plain_keras_model(task, cfg):
-    """The model written with stock tf_keras layers only, as a Keras user writes it (None for
-    BERT: tf_keras has no BERT, so its keras_fit run trains the same model class).
+    """The model written with stock tf_keras layers only, as a Keras user writes it.
 
     gpt: GPT-2 pre-norm blocks of `MultiHeadAttention(use_causal_mask=True)`, `Dense` gelu
     MLP and `LayerNormalization`, `Embedding` token and position tables, and the output
     layer tied to the token table as Keras-NLP's ReversibleEmbedding ties it
     (`matmul(x, table, transpose_b=True)`): the same weights as models/gpt.py's GPT.
+    bert: BERT's post-norm encoder from `Embedding` (word, position, token type),
+    `LayerNormalization`, `MultiHeadAttention` masked by the input mask and a `Dense` gelu
+    MLP; the masked-LM head gathers the masked positions (`tf.gather(batch_dims=1)`),
+    transforms them (`Dense` gelu, `LayerNormalization`) and ties the output to the word
+    table, with an output bias: the masked-LM weights of models/bert.py (its pooler and
+    frozen next-sentence classifier aside).
     resnet: `tf_keras.applications.ResNet50(weights=None)` (v1: strides on the 1x1
     convolution; the same multiply-adds to within 1%).
     """
@@ -128,8 +132,8 @@ def plain_keras_model(task, cfg):
         net = tf_keras.applications.ResNet50(weights=None, input_tensor=images, classes=cfg.num_classes,
                                              classifier_activation=None)
         return tf_keras.Model({"images": images}, net.output)
-    if task.NAME != "gpt":
-        return None
+    if task.NAME == "bert":
+        return _plain_keras_bert(cfg, init)
 
     class TiedOutput(layers.Layer):
         def __init__(self, embedding, **kwargs):
@@ -161,9 +165,60 @@ def plain_keras_model(task, cfg):
     return tf_keras.Model({"inputs": ids}, TiedOutput(token)(x))
 
 
+def _plain_keras_bert(cfg, init):
+    import tensorflow as tf
+    import tf_keras
+
+    layers = tf_keras.layers
+    length, hidden = cfg.seq_len, cfg.hidden_size
+
+    class AddPositions(layers.Layer):  # a learned position table, added
+        def build(self, shape):
+            self.table = self.add_weight("embeddings", [length, hidden], initializer=init())
+
+        def call(self, x):
+            return x + tf.cast(self.table, x.dtype)
+
+    class MaskedLMOutput(layers.Layer):  # gather the masked positions; logits tied to the word table
+        def __init__(self, embedding, **kwargs):
+            super().__init__(**kwargs)
+            self.embedding = embedding
+
+        def build(self, shape):
+            self.bias = self.add_weight("bias", [cfg.vocab_size], initializer="zeros")
+
+        def call(self, x):
+            table = tf.cast(self.embedding.embeddings, x.dtype)
+            return tf.cast(tf.einsum("bph,vh->bpv", x, table) + tf.cast(self.bias, x.dtype), tf.float32)
+
+    names = ("input_ids", "input_mask", "segment_ids")
+    ids, mask, types = (tf_keras.Input([length], dtype=tf.int32, name=n) for n in names)
+    positions = tf_keras.Input([cfg.max_predictions], dtype=tf.int32, name="masked_lm_positions")
+    word = layers.Embedding(cfg.vocab_size, hidden, embeddings_initializer=init())
+    x = AddPositions()(word(ids)) + layers.Embedding(cfg.type_vocab_size, hidden, embeddings_initializer=init())(types)
+    x = layers.Dropout(cfg.dropout)(layers.LayerNormalization(epsilon=1e-12)(x))
+    attend = layers.Lambda(lambda m: tf.cast(m[:, None, :], tf.bool) & tf.ones([1, length, 1], tf.bool))(mask)
+    for _ in range(cfg.num_layers):
+        h = layers.MultiHeadAttention(cfg.num_heads, hidden // cfg.num_heads, dropout=cfg.attention_dropout,
+                                      kernel_initializer=init())(x, x, attention_mask=attend)
+        x = layers.LayerNormalization(epsilon=1e-12)(x + layers.Dropout(cfg.attention_dropout)(h))
+        h = layers.Dense(cfg.intermediate_size, activation="gelu", kernel_initializer=init())(x)
+        h = layers.Dense(hidden, kernel_initializer=init())(h)
+        x = layers.LayerNormalization(epsilon=1e-12)(x + layers.Dropout(cfg.dropout)(h))
+    picked = layers.Lambda(lambda a: tf.gather(a[0], a[1], batch_dims=1))([x, positions])
+    picked = layers.LayerNormalization(epsilon=1e-12)(
+        layers.Dense(hidden, activation="gelu", kernel_initializer=init())(picked))
+    inputs = {"input_ids": ids, "input_mask": mask, "segment_ids": types, "masked_lm_positions": positions}
+    return tf_keras.Model(inputs, MaskedLMOutput(word)(picked))
+
+
 def model_garden_model(task, cfg):
-    """GPT as Model Garden's own layers build it (None for BERT and ResNet, whose tfpod
-    classes are Model Garden's BertEncoderV2 and vision ResNet already).
+    """The model as Model Garden builds it (None for ResNet, whose tfpod class is Model
+    Garden's vision ResNet already).
+
+    bert: Model Garden's `BertPretrainerV2` on its `BertEncoderV2` (its own
+    TransformerEncoderBlocks with EinsumDense, its gather embedding) and masked-LM head,
+    as its BERT pretraining task builds them.
 
     `OnDeviceEmbedding` (gather) and `PositionEmbedding`, `TransformerEncoderBlock`s with
     norm_first (EinsumDense projections, Keras MultiHeadAttention), a final
@@ -175,9 +230,11 @@ def model_garden_model(task, cfg):
     import tf_keras
     from official.nlp.modeling import layers as mg_layers
 
-    if task.NAME != "gpt":
+    if task.NAME not in ("gpt", "bert"):
         return None
     init = lambda: tf_keras.initializers.TruncatedNormal(stddev=cfg.init_stddev)
+    if task.NAME == "bert":
+        return _model_garden_bert(task, cfg, init)
 
     class CausalMask(tf_keras.layers.Layer):
         def call(self, ids):
@@ -204,6 +261,35 @@ def model_garden_model(task, cfg):
             norm_first=True, norm_epsilon=cfg.norm_epsilon, kernel_initializer=init())([x, mask])
     x = tf_keras.layers.LayerNormalization(epsilon=cfg.norm_epsilon)(x)
     return tf_keras.Model({"inputs": ids}, TiedOutput(embedding)(x))
+
+
+def _model_garden_bert(task, cfg, init):
+    import tensorflow as tf
+    import tf_keras
+    from official.nlp.modeling import models as mg_models
+    from official.nlp.modeling import networks as mg_networks
+
+    activation = task._activation(cfg.activation)
+    encoder = mg_networks.BertEncoderV2(
+        vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, num_layers=cfg.num_layers,
+        num_attention_heads=cfg.num_heads, max_sequence_length=cfg.seq_len, type_vocab_size=cfg.type_vocab_size,
+        inner_dim=cfg.intermediate_size, inner_activation=activation, output_dropout=cfg.dropout,
+        attention_dropout=cfg.attention_dropout, initializer=init(), norm_first=cfg.norm_first)
+    pretrainer = mg_models.BertPretrainerV2(encoder_network=encoder, mlm_activation=activation,
+                                            mlm_initializer=init())
+
+    class ModelGardenBert(tf_keras.Model):  # tfpod's feature names in, masked-LM logits out
+        def __init__(self):
+            super().__init__()
+            self.pretrainer = pretrainer
+
+        def call(self, inputs, training=None):
+            out = self.pretrainer({"input_word_ids": inputs["input_ids"], "input_mask": inputs["input_mask"],
+                                   "input_type_ids": inputs["segment_ids"],
+                                   "masked_lm_positions": inputs["masked_lm_positions"]}, training=training)
+            return tf.cast(out["mlm_logits"], tf.float32)
+
+    return ModelGardenBert()
 
 
 def keras_adapter(task, cfg):

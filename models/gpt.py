@@ -252,18 +252,28 @@ class CausalSelfAttention(tf_keras.layers.Layer):
 
 
 class Block(tf_keras.layers.Layer):
-    """Pre-norm (GPT-2) Transformer block: Model Garden's TransformerEncoderBlock with
-    norm_first, same weights and names, built from 2-D matmuls (see Projection).
+    """Transformer block: Model Garden's TransformerEncoderBlock, same weights and names,
+    built from 2-D matmuls (see Projection).
 
-    block([x [batch, length, embed], mask [batch, length, length]]) -> [batch, length, embed]:
-    x + dropout(attention(norm(x))), then + dropout(mlp(norm(.))); as Model Garden's, the
-    attention output is dropped at the attention dropout rate and the MLP output at the
-    output rate; layer norms compute in float32.
+    block([x [batch, length, embed], mask [batch, length, length]]) -> [batch, length, embed].
+    Pre-norm (GPT-2, `norm_first`): x + dropout(attention(norm(x))), then
+    + dropout(mlp(norm(.))). Post-norm (BERT): norm(x + dropout(attention(x))), then
+    norm(. + dropout(mlp(.))). As Model Garden's, the attention output is dropped at the
+    attention dropout rate and the MLP output at the output rate; layer norms compute in
+    float32 (a post-norm block's output is float32).
+
+    Args:
+      config: num_heads, embed_dim, mlp_dim, dropout, attention_dropout, norm_epsilon and
+        activation (a Keras name, unless `activation` is given).
+      kernel_initializer: () -> a fresh initializer.
+      norm_first: pre-norm (True) or post-norm.
+      activation: the MLP's activation function, instead of config.activation.
     """
 
-    def __init__(self, config: GPTConfig, kernel_initializer, **kwargs):
+    def __init__(self, config: GPTConfig, kernel_initializer, norm_first: bool = True, activation=None, **kwargs):
         super().__init__(**kwargs)
         c = self.config = config
+        self.norm_first = norm_first
         self.attention_layer_norm = tf_keras.layers.LayerNormalization(
             epsilon=c.norm_epsilon, dtype=tf.float32, name="self_attention_layer_norm")
         self.attention = CausalSelfAttention(c.num_heads, c.embed_dim, c.attention_dropout, kernel_initializer,
@@ -272,12 +282,19 @@ class Block(tf_keras.layers.Layer):
         self.output_layer_norm = tf_keras.layers.LayerNormalization(
             epsilon=c.norm_epsilon, dtype=tf.float32, name="output_layer_norm")
         self.intermediate = Projection((c.embed_dim,), (c.mlp_dim,), kernel_initializer(), name="intermediate")
-        self.activation = tf_keras.activations.get(c.activation)
+        self.activation = activation or tf_keras.activations.get(c.activation)
         self.output_dense = Projection((c.mlp_dim,), (c.embed_dim,), kernel_initializer(), name="output")
         self.output_dropout = tf_keras.layers.Dropout(c.dropout)
 
-    def call(self, inputs, training=None):
+    def call(self, inputs, training=None, output_range=None):
+        if output_range is not None:  # Model Garden's encoders pass it (None: every position)
+            raise NotImplementedError("Block computes every position (output_range must be None)")
         x, mask = inputs
+        if not self.norm_first:
+            a = self.attention(tf.cast(x, self.compute_dtype), mask, training=training)
+            x = self.attention_layer_norm(x + tf.cast(self.attention_dropout(a, training=training), x.dtype))
+            h = self.output_dense(self.activation(self.intermediate(tf.cast(x, self.compute_dtype))))
+            return self.output_layer_norm(x + tf.cast(self.output_dropout(h, training=training), x.dtype))
         h = tf.cast(self.attention_layer_norm(x), self.compute_dtype)
         x = x + tf.cast(self.attention_dropout(self.attention(h, mask, training=training), training=training), x.dtype)
         h = tf.cast(self.output_layer_norm(x), self.compute_dtype)
@@ -285,7 +302,7 @@ class Block(tf_keras.layers.Layer):
         return x + tf.cast(self.output_dropout(h, training=training), x.dtype)
 
     def get_config(self):
-        return {**super().get_config(), "config": dataclasses.asdict(self.config)}
+        return {**super().get_config(), "config": dataclasses.asdict(self.config), "norm_first": self.norm_first}
 
 
 def causal_mask(ids: tf.Tensor, segment_ids: tf.Tensor | None = None) -> tf.Tensor:

@@ -185,8 +185,9 @@ def test_records_train_and_the_tensor_preset_equals_data_parallel(records, tmp_p
     layout = lambda v: dtensor.fetch_layout(v).sharding_specs
     assert layout(trainer.model.encoder.get_embedding_table()) == ["model", U]  # vocab-parallel, tied to the head
     block = trainer.model.encoder.transformer_layers[0]
-    assert layout(block._attention_layer._query_dense.kernel) == [U, "model", U]  # column-parallel
-    assert layout(block._output_dense.kernel) == ["model", U]  # row-parallel
+    assert type(block).__name__ == "Block"  # gpt.Block, post-norm
+    assert layout(block.attention.query.kernel) == [U, "model", U]  # column-parallel
+    assert layout(block.output_dense.kernel) == ["model", U]  # row-parallel
     assert layout(trainer.model.masked_lm.bias) == ["model"]
 
 
