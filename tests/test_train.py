@@ -38,6 +38,32 @@ SMALL_PARAMS = [f"gpt.{k}={v}" for k, v in SMALL.items()] + [
 ]
 
 
+@pytest.mark.parametrize("norm_first", [True, False], ids=["pre_norm_gpt", "post_norm_bert"])
+def test_block_equals_model_gardens_transformer_encoder_block(norm_first):
+    """gpt.Block (2-D matmuls) computes Model Garden's TransformerEncoderBlock with the same
+    weights, names and dropout rates, pre-norm (GPT) and post-norm (BERT), under a padding mask."""
+    import tf_keras
+    from official.nlp.modeling import layers as mg
+
+    cfg = gpt.GPTConfig(vocab_size=64, seq_len=8, num_layers=1, embed_dim=32, num_heads=4, mlp_dim=64,
+                        dropout=0.1, attention_dropout=0.2, norm_epsilon=1e-12)
+    init = lambda: tf_keras.initializers.TruncatedNormal(stddev=0.3)
+    ours = gpt.Block(cfg, init, norm_first=norm_first, activation=tf_keras.activations.get("gelu"), name="b")
+    theirs = mg.TransformerEncoderBlock(num_attention_heads=4, inner_dim=64, inner_activation="gelu",
+                                        norm_first=norm_first, norm_epsilon=1e-12, output_dropout=0.1,
+                                        attention_dropout=0.2, kernel_initializer=init(), name="b")
+    x = tf.random.stateless_normal([2, 8, 32], seed=[1, 2])
+    mask = gpt.causal_mask(tf.zeros([2, 8], tf.int32)) * tf.constant([[1.0] * 8, [1.0] * 5 + [0.0] * 3])[:, None, :]
+    ours([x, mask]), theirs([x, mask])
+    assert sorted(v.name for v in ours.weights) == sorted(v.name for v in theirs.weights)
+    by_name = {v.name: v for v in theirs.weights}
+    for v in ours.weights:
+        v.assign(by_name[v.name])
+    np.testing.assert_allclose(ours([x, mask]).numpy(), theirs([x, mask]).numpy(), rtol=1e-5, atol=1e-5)
+    assert (ours.attention_dropout.rate, ours.output_dropout.rate) == (
+        theirs._attention_dropout.rate, theirs._output_dropout.rate)
+
+
 def test_meshes_give_the_single_device_loss(tmp_path):
     """Same seed and global batch: every mesh's losses match one device's (relative 1e-3).
 
