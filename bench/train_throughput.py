@@ -336,8 +336,10 @@ def _baseline_model(task, cfg, args, precision: str, build=None):
     tf_keras.mixed_precision.set_global_policy(precision)
     model = (build and build(task, cfg)) or task.build(cfg)
     opt_cfg = optimizer_config(args)
-    optimizer = optimizers.build_optimizer(opt_cfg, args.warmup + args.steps)
-    optimizer.global_clipnorm = opt_cfg.clip_norm
+    # Model Garden's own optimizer classes as they are (tfpod's fused updates are tfpod's).
+    optimizer = optimizers.build_optimizer(opt_cfg, args.warmup + args.steps, fused_update=False)
+    if getattr(optimizer, "gradient_clip_norm", None) != opt_cfg.clip_norm:  # AdamW clips by itself (at 1.0)
+        optimizer.global_clipnorm = opt_cfg.clip_norm
     return model, optimizer
 
 

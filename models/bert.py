@@ -55,7 +55,7 @@ import tf_keras
 from official.nlp.modeling import layers as mg_layers
 from official.nlp.modeling import networks as mg_networks
 
-from tfpod import UserError, evaluation
+from tfpod import UserError, evaluation, fused
 from tfpod.input import bert_data
 from tfpod.models import gpt
 from tfpod.sharding import AxisRule, shard
@@ -159,7 +159,7 @@ AXIS_RULES = (
 def _activation(name: str):
     if name == "gelu_approximate":
         return lambda x: tf_keras.activations.gelu(x, approximate=True)
-    return tf_keras.activations.get(name)
+    return fused.activation(name)
 
 
 class MaskedLMHead(mg_layers.MaskedLM):

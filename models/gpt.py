@@ -26,7 +26,7 @@ import tensorflow as tf
 import tf_keras
 from official.nlp.modeling import layers as mg_layers
 
-from tfpod import UserError, evaluation
+from tfpod import UserError, evaluation, fused
 from tfpod.input import pipeline
 from tfpod.sharding import AxisRule, shard
 
@@ -129,7 +129,10 @@ class GPT(tf_keras.Model):
             return block([x, mask], training=training)
         return tf.recompute_grad(lambda x, mask: block([x, mask], training=training))(x, mask)
 
-    def call(self, inputs, training=None):
+    def call(self, inputs, training=None, return_hidden=False):
+        """Logits [batch, length, vocab] float32, or with `return_hidden` the final layer
+        norm's output [batch, length, embed] that the tied output layer multiplies
+        (`loss_and_metrics` then computes the output layer and the loss together)."""
         features = inputs if isinstance(inputs, dict) else {"inputs": inputs}
         ids = features["inputs"]
         x = self.embed(ids)  # [batch, length, embed]
@@ -147,7 +150,7 @@ class GPT(tf_keras.Model):
             x = shard(x, ACTIVATION_AXES)
         x = self.final_norm(x)
         x = shard(x, ("batch", "length", "embed"))  # whole sequences for the output layer
-        return self.output_logits(x)
+        return x if return_hidden else self.output_logits(x)
 
     def embed(self, ids: tf.Tensor) -> tf.Tensor:
         """Token embeddings [batch, length, embed] of ids [batch, length].
@@ -239,13 +242,15 @@ class CausalSelfAttention(tf_keras.layers.Layer):
 
     def call(self, x, mask, training=None):
         to_heads = lambda t: tf.transpose(t, [0, 2, 1, 3])  # [batch, length, heads, kv] -> [batch, heads, length, kv]
-        q = to_heads(self.query(x) * tf.cast(self.key_dim ** -0.5, x.dtype))
-        k, v = to_heads(self.key(x)), to_heads(self.value(x))
-        scores = tf.matmul(q, k, transpose_b=True)  # [batch, heads, length, length]
-        scores += (1.0 - tf.cast(tf.expand_dims(mask, 1), scores.dtype)) * tf.cast(-1e9, scores.dtype)
-        probs = self.dropout(tf.nn.softmax(scores, axis=-1), training=training)
-        context = tf.transpose(tf.matmul(probs, v), [0, 2, 1, 3])  # [batch, length, heads, kv]
-        return self.attention_output(context)  # [batch, length, embed]
+        q, k, v = to_heads(self.query(x)), to_heads(self.key(x)), to_heads(self.value(x))
+        bias = (1.0 - tf.cast(tf.expand_dims(mask, 1), q.dtype)) * tf.cast(-1e9, q.dtype)  # [batch, 1, length, length]
+        if self.dropout.rate and training is not None and training is not False:  # dropout on the probabilities
+            scores = tf.matmul(q * tf.cast(self.key_dim ** -0.5, q.dtype), k, transpose_b=True) + bias
+            probs = self.dropout(tf.nn.softmax(scores, axis=-1), training=training)  # [batch, heads, length, length]
+            context = tf.matmul(probs, v)
+        else:
+            context = fused.attention(q, k, v, bias)  # [batch, heads, length, kv]
+        return self.attention_output(tf.transpose(context, [0, 2, 1, 3]))  # [batch, length, embed]
 
     def get_config(self):
         return {**super().get_config(), "num_heads": self.num_heads, "embed_dim": self.embed_dim}
@@ -282,7 +287,7 @@ class Block(tf_keras.layers.Layer):
         self.output_layer_norm = tf_keras.layers.LayerNormalization(
             epsilon=c.norm_epsilon, dtype=tf.float32, name="output_layer_norm")
         self.intermediate = Projection((c.embed_dim,), (c.mlp_dim,), kernel_initializer(), name="intermediate")
-        self.activation = activation or tf_keras.activations.get(c.activation)
+        self.activation = activation or fused.activation(c.activation)
         self.output_dense = Projection((c.mlp_dim,), (c.embed_dim,), kernel_initializer(), name="output")
         self.output_dropout = tf_keras.layers.Dropout(c.dropout)
 
@@ -367,12 +372,78 @@ def synthetic_batch(config: GPTConfig, batch_size: int, rng: np.random.Generator
 
 
 def loss_and_metrics(model: GPT, batch: dict, training: bool):
-    """Mean next-token cross entropy over weighted tokens (see `loss_from_logits`).
+    """Mean next-token cross entropy over weighted tokens.
+
+    When the embedding's vocab rows are whole on every device, the tied output layer and
+    the loss are one function (`output_layer_loss`); when they are split over a mesh axis
+    (vocab-parallel), the logits go through `loss_from_logits`.
 
     Returns:
       (loss, {"loss_sum", "weight_sum"}) as float32 scalars.
     """
-    return loss_from_logits(model(model_inputs(batch), training=training), batch)
+    x = model(model_inputs(batch), training=training, return_hidden=True)  # [batch, length, embed]
+    table = model.token_embedding.embeddings
+    if rows_split(table):
+        return loss_from_logits(model.output_logits(x), batch)
+    return output_layer_loss(x, tf.cast(table, x.dtype), batch)
+
+
+def output_layer_loss(x: tf.Tensor, table: tf.Tensor, batch: dict):
+    """Mean cross entropy of the tied output layer's logits x @ table^T, with its own gradient.
+
+    The same loss as `loss_from_logits(output_logits(x))`, in fewer passes over the
+    [tokens, vocab] logits (gpt_small: 4096 x 50304, 824 MB at float32), which at this
+    size cost more than the output matmuls' arithmetic on a CPU:
+
+      forward   logits (float32), probs = softmax(logits) in one fused kernel; the
+                token loss is log_z - logit[target] with log_z = max(logits) -
+                log(max(probs)) (the largest probability is exp(0) / sum, never
+                underflows), the target logit a gather.
+      backward  d logits = (probs - one_hot(target)) * w, and neither that nor the one-hot
+                is formed: d x = (probs @ table - table[target]) * w and d table =
+                probs^T @ (x * w) - scatter_add(target, x * w), where the one-hot
+                terms are a gather and a scatter of [tokens, embed] rows. Under mixed
+                precision probs enter the matmuls in bfloat16 as logits' gradient would;
+                the target entry's rounding error is added back in the gathered term,
+                so it is exact to float32 (p - 1 for a confident p is not lost).
+
+    Args:
+      x: final hidden states [batch, length, embed] (the compute dtype).
+      table: the tied embedding [vocab, embed], in x's dtype; its vocab rows unsplit.
+      batch: "targets" int32 and "weights" float32 [batch, length].
+
+    Returns:
+      (loss, {"loss_sum", "weight_sum"}) as float32 scalars.
+    """
+    embed, vocab = x.shape[-1], table.shape[0]
+    flat = tf.reshape(x, [-1, embed])  # [tokens, embed]
+    targets = tf.reshape(batch["targets"], [-1])  # [tokens]
+    weights = tf.reshape(tf.cast(batch["weights"], tf.float32), [-1])  # [tokens]
+    weight_sum = tf.reduce_sum(weights)
+    at_target = lambda t: tf.gather(t, targets[:, None], batch_dims=1)[:, 0]  # [tokens, vocab] -> [tokens]
+
+    @tf.custom_gradient
+    def weighted_sum(flat, table):  # sum over tokens of weight * token loss
+        logits = tf.cast(tf.matmul(flat, table, transpose_b=True), tf.float32)  # [tokens, vocab]
+        probs = tf.nn.softmax(logits)
+        log_z = tf.reduce_max(logits, axis=-1) - tf.math.log(tf.reduce_max(probs, axis=-1))  # [tokens]
+        token_loss = log_z - at_target(logits)
+
+        def grad(d_sum):
+            s = d_sum * weights  # [tokens]: d / d token_loss
+            p = tf.cast(probs, flat.dtype)
+            p_target = at_target(probs)  # float32
+            rounding = p_target - tf.cast(at_target(p), tf.float32)
+            target_coef = tf.cast((rounding - 1.0) * s, flat.dtype)[:, None]  # [tokens, 1]
+            s = tf.cast(s, flat.dtype)[:, None]
+            d_flat = tf.matmul(p, table) * s + tf.gather(table, targets) * target_coef  # [tokens, embed]
+            d_table = tf.matmul(p, flat * s, transpose_a=True) + tf.math.unsorted_segment_sum(
+                flat * target_coef, targets, vocab)  # [vocab, embed]
+            return d_flat, d_table
+
+        return tf.reduce_sum(token_loss * weights), grad
+
+    return _weighted_mean(weighted_sum(flat, table), weight_sum)
 
 
 def loss_from_logits(logits: tf.Tensor, batch: dict):
@@ -390,10 +461,12 @@ def loss_from_logits(logits: tf.Tensor, batch: dict):
     target_logit = tf.reduce_sum(logits * tf.one_hot(batch["targets"], vocab, dtype=logits.dtype), axis=-1)
     token_loss = log_z - target_logit  # [batch, length]
     weights = batch["weights"]
-    loss_sum = tf.reduce_sum(token_loss * weights)
-    weight_sum = tf.reduce_sum(weights)
-    loss = loss_sum / tf.maximum(weight_sum, 1.0)
-    return loss, {"loss_sum": loss_sum, "weight_sum": weight_sum}
+    return _weighted_mean(tf.reduce_sum(token_loss * weights), tf.reduce_sum(weights))
+
+
+def _weighted_mean(loss_sum: tf.Tensor, weight_sum: tf.Tensor):
+    """(loss_sum / weight_sum (at least 1), {"loss_sum", "weight_sum"}): the loss functions' return."""
+    return loss_sum / tf.maximum(weight_sum, 1.0), {"loss_sum": loss_sum, "weight_sum": weight_sum}
 
 
 def flops_per_token(config: GPTConfig) -> float:

@@ -40,7 +40,7 @@ import math
 import tensorflow as tf
 import tf_keras
 
-from tfpod import UserError, sharding
+from tfpod import UserError, fused, sharding
 from tfpod.models import gpt
 from tfpod.models.gpt import (  # noqa: F401  (the same LM surface: batch contract, data, evaluation)
     DATA,
@@ -213,7 +213,7 @@ class MoEMLP(tf_keras.layers.Layer):
             raise ValueError(f"MoEMLP got num_experts={num_experts}, mlp_dim={mlp_dim}, group_size={group_size}, "
                              f"capacity={capacity}: expected at least 2 experts and positive sizes")
         self.num_experts, self.mlp_dim, self.group_size, self.capacity = num_experts, mlp_dim, group_size, capacity
-        self.activation = tf_keras.activations.get(activation)
+        self.activation = fused.activation(activation)
         self._activation_name = activation
         self._initializer = kernel_initializer or (lambda: tf_keras.initializers.TruncatedNormal(stddev=0.02))
 

@@ -1,0 +1,112 @@
+"""Fused kernels and hand-written gradients against the plain TensorFlow forms they replace."""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from tfpod import fused, optimizers
+from tfpod.models import gpt
+
+
+@pytest.fixture(autouse=True, params=["0", "1"], ids=["plain", "xla"])
+def xla_marks(request, monkeypatch):
+    """Every test runs with the XLA marks off (the default) and on (TFPOD_XLA_FUSION=1)."""
+    monkeypatch.setenv("TFPOD_XLA_FUSION", request.param)
+    assert fused.enabled() == (request.param == "1")
+    return request.param
+
+
+def _value_and_grads(fn, *args):
+    """fn(*args) and d sum(fn * w) / d args for a fixed random w, inside a tf.function."""
+
+    @tf.function
+    def run(*args):
+        with tf.GradientTape() as tape:
+            tape.watch(args)
+            out = fn(*args)
+            w = tf.random.stateless_normal(out.shape, seed=[7, 7], dtype=tf.float32)
+            total = tf.reduce_sum(tf.cast(out, tf.float32) * w)
+        return out, tape.gradient(total, args)
+
+    out, grads = run(*args)
+    return [out.numpy().astype(np.float32)] + [g.numpy().astype(np.float32) for g in grads]
+
+
+@pytest.mark.parametrize("dtype,tol", [(tf.float32, 1e-5), (tf.bfloat16, 2e-2)])
+def test_gelu_equals_tf_gelu_with_its_gradient(dtype, tol):
+    x = tf.cast(tf.random.stateless_normal([64, 96], seed=[1, 2]) * 3.0, dtype)
+    got = _value_and_grads(fused.gelu, x)
+    want = _value_and_grads(lambda x: tf.nn.gelu(tf.cast(x, tf.float32)), x)  # exact GELU in float32
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(g, w, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("dtype,tol", [(tf.float32, 2e-5), (tf.bfloat16, 5e-2)])
+def test_attention_equals_autodiff_of_the_softmax_form(dtype, tol):
+    b, h, l, d = 2, 3, 16, 8
+    q, k, v = (tf.cast(tf.random.stateless_normal([b, h, l, d], seed=[3, i]), dtype) for i in range(3))
+    mask = gpt.causal_mask(tf.zeros([b, l], tf.int32)) * tf.constant([[1.0] * l, [1.0] * 11 + [0.0] * 5])[:, None, :]
+    bias = (1.0 - tf.cast(mask[:, None], dtype)) * tf.cast(-1e9, dtype)
+
+    def reference(q, k, v):
+        f = lambda t: tf.cast(t, tf.float32)
+        scores = tf.matmul(f(q) * d ** -0.5, f(k), transpose_b=True) + f(bias)
+        return tf.matmul(tf.nn.softmax(scores, axis=-1), f(v))
+
+    got = _value_and_grads(lambda q, k, v: fused.attention(q, k, v, bias), q, k, v)
+    want = _value_and_grads(reference, q, k, v)
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(g, w, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("dtype,tol", [(tf.float32, 1e-6), (tf.bfloat16, 2e-3)])
+def test_output_layer_loss_equals_the_logits_loss_with_its_gradient(dtype, tol):
+    """gpt.output_layer_loss (softmax once, one-hot terms as gathers) against
+    loss_from_logits(x @ table^T): loss, loss_sum and the gradients of x and the table."""
+    rng = np.random.default_rng(0)
+    b, l, e, vocab = 2, 16, 32, 100
+    x = tf.constant(rng.normal(size=(b, l, e)), tf.float32)
+    table = tf.constant(rng.normal(size=(vocab, e)), tf.float32)
+    batch = {"targets": tf.constant(rng.integers(0, vocab, size=(b, l)), tf.int32),
+             "weights": tf.constant((rng.random((b, l)) > 0.3).astype(np.float32))}
+
+    def fused_form(x, table):
+        return gpt.output_layer_loss(tf.cast(x, dtype), tf.cast(table, dtype), batch)
+
+    def logits_form(x, table):
+        logits = tf.einsum("ble,ve->blv", tf.cast(x, dtype), tf.cast(table, dtype))
+        return gpt.loss_from_logits(tf.cast(logits, tf.float32), batch)
+
+    results = []
+    for form in (fused_form, logits_form):
+        with tf.GradientTape() as tape:
+            tape.watch([x, table])
+            loss, metrics = form(x, table)
+        results.append([loss.numpy(), metrics["loss_sum"].numpy(), metrics["weight_sum"].numpy()]
+                       + [g.numpy() for g in tape.gradient(loss, [x, table])])
+    for got, want in zip(*results):
+        np.testing.assert_allclose(got, want, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("name", ["adamw", "lamb", "lars"])
+def test_fused_optimizers_equal_model_gardens(name):
+    """Four steps of the Fused* update (one XLA loop per weight) against Model Garden's own
+    class, weight decay on the kernel and off for the bias, warmup and decay in the rate."""
+    cfg = optimizers.OptimizerConfig(name=name, learning_rate=1e-2, warmup_steps=2, decay_steps=10, weight_decay=0.1)
+    results = []
+    for fused_update in (True, False):
+        opt = optimizers.build_optimizer(cfg, 10, fused_update=fused_update)
+        if not fused_update and name == "adamw":
+            opt.gradient_clip_norm = 0.0  # the trainer clips; tfpod's AdamW does not clip again
+        rng = np.random.default_rng(0)
+        variables = [tf.Variable(rng.normal(size=(16, 8)).astype(np.float32), name="dense/kernel"),
+                     tf.Variable(rng.normal(size=(8,)).astype(np.float32), name="dense/bias")]
+        grads = [[tf.constant(rng.normal(size=v.shape).astype(np.float32)) for v in variables] for _ in range(4)]
+        step = tf.function(lambda g: [opt.apply_gradients(zip(g, variables))] and None)
+        for g in grads:
+            step(g)
+        assert type(opt).__name__.startswith("Fused") == fused_update
+        results.append([v.numpy() for v in variables] + [s.numpy() for s in optimizers.slot_variables(opt)])
+    assert len(results[0]) == len(results[1]) > 2
+    for got, want in zip(*results):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
