@@ -13,8 +13,9 @@ from tfpod.main import resolve_gin_file, run
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def main_py(*args, timeout=600):
-    return subprocess.run([sys.executable, "main.py", *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+def main_py(*args, timeout=600, env=None):
+    return subprocess.run([sys.executable, "main.py", *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout,
+                          env=env)
 
 
 def test_default_job_trains_logs_and_checkpoints(tmp_path):
@@ -22,7 +23,8 @@ def test_default_job_trains_logs_and_checkpoints(tmp_path):
     d = tmp_path / "lm_tiny"
     base = ["--gin_file=gin/lm_tiny.gin", "--cpu_devices=8", "--mesh=data:4,model:2", f"--model_dir={d}",
             "--gin_param=train.checkpoint_every=10", "--gin_param=train.log_every=10"]
-    first = main_py(*base, "--gin_param=train.steps=20")
+    production = {**os.environ, "TFPOD_GRAPH_OPTIMIZATIONS": "1"}  # as users run it (the other tests: off)
+    first = main_py(*base, "--gin_param=train.steps=20", env=production)
     assert first.returncode == 0, first.stderr[-3000:]
     log = first.stderr
     assert "mesh data:4,model:2 (8 CPU devices); global batch 16; per-device batch 4" in log

@@ -7,9 +7,11 @@ an error rather than a silent no-op.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
+from typing import Callable
 
 import tensorflow as tf
 from tensorflow.experimental import dtensor
@@ -100,6 +102,13 @@ def initialize(cpu_devices: int | None = None, device_type: str | None = None) -
     # weight-update sharding silently kept the old weights (TF 2.20). It is read once
     # per process, so it is turned off here, before the first function is compiled.
     os.environ.setdefault("DTENSOR_ENABLE_COMBINE_ALL_REDUCES_OPTIMIZATION", "0")
+    graph_optimizations = os.environ.get("TFPOD_GRAPH_OPTIMIZATIONS", "1")
+    if graph_optimizations not in ("0", "1"):
+        raise UserError(f"TFPOD_GRAPH_OPTIMIZATIONS={graph_optimizations!r}: use 1 (the default) or 0")
+    if graph_optimizations == "0":
+        # Grappler off: functions compile about a third faster and run slower; the same
+        # results. The test suite runs so (conftest.py) apart from its production smoke run.
+        tf.config.optimizer.set_experimental_options({"disable_meta_optimizer": True})
     if cpu_devices is None and os.environ.get("TFPOD_CPU_DEVICES"):
         cpu_devices = int(os.environ["TFPOD_CPU_DEVICES"])
     device_type = (device_type or detect_device_type()).upper()
@@ -177,6 +186,23 @@ def lost_host_message(error: BaseException, checkpoint: str | None) -> str | Non
         f"lost {who} of {info().num_clients} ({cause}): host {info().client_id} stops too; the last complete "
         f"checkpoint ({checkpoint or 'none yet'}) is intact: relaunch the same command on every host to resume"
     )
+
+
+@contextlib.contextmanager
+def stop_on_lost_host(checkpoint: Callable[[], str | None]):
+    """Within: an error of a collective that lost another host (in a step, the preemption
+    agreement, an eval or a save) becomes one UserError line (`lost_host_message`).
+
+    Args:
+      checkpoint: returns the path of the last complete checkpoint, named in the line.
+    """
+    try:
+        yield
+    except LOST_HOST_ERRORS as e:
+        message = lost_host_message(e, checkpoint())
+        if message is None:
+            raise
+        raise UserError(message) from None
 
 
 def info() -> RuntimeInfo:

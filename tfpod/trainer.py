@@ -410,7 +410,9 @@ class Trainer:
         first_call, traces_seen = True, self.traces
         nonfinite = NonfiniteGuard(c, self.checkpoints)
         preempted = False
-        with sharding.activation_sharding(self.mesh, self.table), \
+        # A host lost in any collective below (step, preemption agreement, eval, save) is one error line.
+        with runtime.stop_on_lost_host(lambda: self.checkpoints.latest), \
+                sharding.activation_sharding(self.mesh, self.table), \
                 checkpoint.Preemption(self.mesh, self.info.num_clients) as preemption:
             if preemption.requested():  # during start-up: nothing new to save
                 log.warning("preempted before the first step: nothing new to save; rerun the same command to resume")
@@ -419,15 +421,9 @@ class Trainer:
                 n = self._next_boundary(step) - step
                 stacked = self._stack([next(batches) for _ in range(n)])
                 t_call = time.time()
-                try:
-                    losses, norms = self._train_loop(stacked, tf.constant(n, tf.int32))
-                    losses = _gather_scalar(losses)[:n]
-                    norms = _gather_scalar(norms)[:n]
-                except runtime.LOST_HOST_ERRORS as e:
-                    message = runtime.lost_host_message(e, self.checkpoints.latest)
-                    if message is None:
-                        raise
-                    raise UserError(message) from None
+                losses, norms = self._train_loop(stacked, tf.constant(n, tf.int32))
+                losses = _gather_scalar(losses)[:n]
+                norms = _gather_scalar(norms)[:n]
                 dt = time.time() - t_call
                 if self.traces > traces_seen:
                     if not first_call:  # shapes, dtypes or Python values changed between calls
