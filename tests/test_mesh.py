@@ -68,3 +68,25 @@ def test_describe_logs_batch_and_tokens():
     assert "tokens per step 1024" in line
     with pytest.raises(UserError, match="does not divide over mesh axis 'data' of size 4"):
         describe(mesh, global_batch=6, seq_len=64)
+
+
+def test_logical_cpu_devices_share_the_cores():
+    """8 logical devices on this host's cores: each op gets cores // 8 intra-op threads
+    (at least 1) instead of every core (runtime._share_cores), and the knob is validated."""
+    import os
+
+    import tensorflow as tf
+
+    from tfpod import runtime
+
+    assert runtime.info().num_local_devices == 8
+    cores = len(os.sched_getaffinity(0))
+    want = int(os.environ.get("TF_NUM_INTRAOP_THREADS") or max(1, cores // 8))
+    if not os.environ.get("TF_NUM_INTRAOP_THREADS"):
+        assert tf.config.threading.get_intra_op_parallelism_threads() == want
+    os.environ["TFPOD_GRAPH_OPTIMIZATIONS"], saved = "yes", os.environ.get("TFPOD_GRAPH_OPTIMIZATIONS")
+    try:
+        with pytest.raises(UserError, match="TFPOD_GRAPH_OPTIMIZATIONS='yes': use 1"):
+            runtime.initialize(cpu_devices=8, device_type="CPU")
+    finally:
+        os.environ["TFPOD_GRAPH_OPTIMIZATIONS"] = saved or "0"
