@@ -121,7 +121,7 @@ class GPT(tf_keras.Model):
 
     def make_block(self, i: int, init) -> tf_keras.layers.Layer:
         """Block i: a layer taking [x [batch, length, embed], mask [batch, length, length]]."""
-        return Block(self.config, init, name=f"block_{i}")
+        return Block(self.config, init, causal=True, name=f"block_{i}")
 
     def run_block(self, block, x, mask, training):
         """One block; with `remat` its activations are recomputed in the backward pass."""
@@ -229,11 +229,15 @@ class CausalSelfAttention(tf_keras.layers.Layer):
     and so is the math (the query scaled by 1/sqrt(kv), masked positions at -1e9 before
     the softmax, dropout on the probabilities), but the projections are 2-D matmuls and
     the scores and context are batched matmuls over [batch, heads, length, kv].
+    With `causal` (the mask never lets a query see a later key, as GPT's) the first half
+    of the queries skips the second half of the keys (`fused.attention`).
     """
 
-    def __init__(self, num_heads: int, embed_dim: int, dropout: float, kernel_initializer, **kwargs):
+    def __init__(self, num_heads: int, embed_dim: int, dropout: float, kernel_initializer, causal: bool = False,
+                 **kwargs):
         super().__init__(**kwargs)
         self.num_heads, self.embed_dim, self.key_dim = num_heads, embed_dim, embed_dim // num_heads
+        self.causal = causal
         heads = (num_heads, self.key_dim)
         self.query, self.key, self.value = (
             Projection((embed_dim,), heads, kernel_initializer(), name=n) for n in ("query", "key", "value"))
@@ -249,11 +253,12 @@ class CausalSelfAttention(tf_keras.layers.Layer):
             probs = self.dropout(tf.nn.softmax(scores, axis=-1), training=training)  # [batch, heads, length, length]
             context = tf.matmul(probs, v)
         else:
-            context = fused.attention(q, k, v, bias)  # [batch, heads, length, kv]
+            context = fused.attention(q, k, v, bias, causal=self.causal)  # [batch, heads, length, kv]
         return self.attention_output(tf.transpose(context, [0, 2, 1, 3]))  # [batch, length, embed]
 
     def get_config(self):
-        return {**super().get_config(), "num_heads": self.num_heads, "embed_dim": self.embed_dim}
+        return {**super().get_config(), "num_heads": self.num_heads, "embed_dim": self.embed_dim,
+                "causal": self.causal}
 
 
 class Block(tf_keras.layers.Layer):
@@ -273,16 +278,18 @@ class Block(tf_keras.layers.Layer):
       kernel_initializer: () -> a fresh initializer.
       norm_first: pre-norm (True) or post-norm.
       activation: the MLP's activation function, instead of config.activation.
+      causal: the mask is causal (GPT's; see CausalSelfAttention).
     """
 
-    def __init__(self, config: GPTConfig, kernel_initializer, norm_first: bool = True, activation=None, **kwargs):
+    def __init__(self, config: GPTConfig, kernel_initializer, norm_first: bool = True, activation=None,
+                 causal: bool = False, **kwargs):
         super().__init__(**kwargs)
         c = self.config = config
-        self.norm_first = norm_first
+        self.norm_first, self.causal = norm_first, causal
         self.attention_layer_norm = tf_keras.layers.LayerNormalization(
             epsilon=c.norm_epsilon, dtype=tf.float32, name="self_attention_layer_norm")
         self.attention = CausalSelfAttention(c.num_heads, c.embed_dim, c.attention_dropout, kernel_initializer,
-                                             name="self_attention")
+                                             causal=causal, name="self_attention")
         self.attention_dropout = tf_keras.layers.Dropout(c.attention_dropout)
         self.output_layer_norm = tf_keras.layers.LayerNormalization(
             epsilon=c.norm_epsilon, dtype=tf.float32, name="output_layer_norm")
@@ -307,7 +314,8 @@ class Block(tf_keras.layers.Layer):
         return x + tf.cast(self.output_dropout(h, training=training), x.dtype)
 
     def get_config(self):
-        return {**super().get_config(), "config": dataclasses.asdict(self.config), "norm_first": self.norm_first}
+        return {**super().get_config(), "config": dataclasses.asdict(self.config), "norm_first": self.norm_first,
+                "causal": self.causal}
 
 
 def causal_mask(ids: tf.Tensor, segment_ids: tf.Tensor | None = None) -> tf.Tensor:

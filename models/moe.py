@@ -305,7 +305,7 @@ class MoEBlock(tf_keras.layers.Layer):
         self.attention_layer_norm = tf_keras.layers.LayerNormalization(
             epsilon=c.norm_epsilon, dtype=tf.float32, name="self_attention_layer_norm")  # float32, as Model Garden
         self.attention = gpt.CausalSelfAttention(c.num_heads, c.embed_dim, c.attention_dropout, kernel_initializer,
-                                                 name="self_attention")
+                                                 causal=True, name="self_attention")
         # Model Garden's block drops the attention output at the attention dropout rate.
         self.attention_dropout = tf_keras.layers.Dropout(c.attention_dropout)
         self.output_layer_norm = tf_keras.layers.LayerNormalization(

@@ -41,11 +41,15 @@ def test_gelu_equals_tf_gelu_with_its_gradient(dtype, tol):
         np.testing.assert_allclose(g, w, rtol=tol, atol=tol)
 
 
+@pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("dtype,tol", [(tf.float32, 2e-5), (tf.bfloat16, 5e-2)])
-def test_attention_equals_autodiff_of_the_softmax_form(dtype, tol):
+def test_attention_equals_autodiff_of_the_softmax_form(dtype, tol, causal):
+    """causal=True: the first half of the queries skips the second half of the keys."""
     b, h, l, d = 2, 3, 16, 8
     q, k, v = (tf.cast(tf.random.stateless_normal([b, h, l, d], seed=[3, i]), dtype) for i in range(3))
-    mask = gpt.causal_mask(tf.zeros([b, l], tf.int32)) * tf.constant([[1.0] * l, [1.0] * 11 + [0.0] * 5])[:, None, :]
+    # causal, two segments in the first row (as packing makes them), padding in the second
+    segments = tf.constant([[1] * 6 + [2] * 10, [1] * 11 + [0] * 5])
+    mask = gpt.causal_mask(tf.zeros([b, l], tf.int32), segments) * tf.cast(segments > 0, tf.float32)[:, None, :]
     bias = (1.0 - tf.cast(mask[:, None], dtype)) * tf.cast(-1e9, dtype)
 
     def reference(q, k, v):
@@ -53,7 +57,7 @@ def test_attention_equals_autodiff_of_the_softmax_form(dtype, tol):
         scores = tf.matmul(f(q) * d ** -0.5, f(k), transpose_b=True) + f(bias)
         return tf.matmul(tf.nn.softmax(scores, axis=-1), f(v))
 
-    got = _value_and_grads(lambda q, k, v: fused.attention(q, k, v, bias), q, k, v)
+    got = _value_and_grads(lambda q, k, v: fused.attention(q, k, v, bias, causal=causal), q, k, v)
     want = _value_and_grads(reference, q, k, v)
     for g, w in zip(got, want):
         np.testing.assert_allclose(g, w, rtol=tol, atol=tol)

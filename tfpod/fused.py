@@ -73,13 +73,20 @@ def activation(name):
     return tf_keras.activations.get(name)
 
 
-def attention(q: tf.Tensor, k: tf.Tensor, v: tf.Tensor, bias: tf.Tensor) -> tf.Tensor:
+def attention(q: tf.Tensor, k: tf.Tensor, v: tf.Tensor, bias: tf.Tensor, causal: bool = False) -> tf.Tensor:
     """softmax(q k^T / sqrt(d) + bias) v, with a gradient in fewer passes than autodiff's.
 
     Args:
       q, k, v: [batch, heads, length, d] (the compute dtype).
       bias: additive mask [batch, 1 or heads, length, length] in q's dtype (0 where a
         query may attend, -1e9 where not).
+      causal: the mask never lets a query attend a later key (it may mask more, e.g.
+        other segments). The first half of the queries then skips the second half of
+        the keys, a quarter of the scores that are all masked: 3/4 of the score
+        matmuls and softmax passes (gpt_small, 1024 tokens: one layer's attention
+        forward and backward 0.31 s -> 0.25 s on 2 CPU cores). A query of the first half
+        that may attend no key at all (padding) then averages the first half's values,
+        not all of them; such rows carry no loss weight and no later query reads them.
 
     Returns:
       [batch, heads, length, d].
@@ -88,6 +95,17 @@ def attention(q: tf.Tensor, k: tf.Tensor, v: tf.Tensor, bias: tf.Tensor) -> tf.T
     softmax's row sums (FlashAttention's D = rowsum(do * o) = rowsum(dp * p)), so the
     score gradient p * (dp - D) is one fused pass where autodiff takes four.
     """
+    length = q.shape[2]
+    if not causal or length is None or length != k.shape[2] or length % 2:
+        return _attention(q, k, v, bias)
+    half = length // 2
+    early = _attention(q[:, :, :half], k[:, :, :half], v[:, :, :half], bias[:, :, :half, :half])
+    late = _attention(q[:, :, half:], k, v, bias[:, :, half:])
+    return tf.concat([early, late], axis=2)
+
+
+def _attention(q: tf.Tensor, k: tf.Tensor, v: tf.Tensor, bias: tf.Tensor) -> tf.Tensor:
+    """`attention` over all keys: q [b, h, lq, d], k and v [b, h, lk, d], bias [b, 1|h, lq, lk]."""
     scale = tf.cast(q.shape[-1] ** -0.5, q.dtype)
 
     @tf.autograph.experimental.do_not_convert
