@@ -34,7 +34,7 @@ import tensorflow as tf
 import tf_keras
 from official.vision.modeling.backbones import resnet as mg_resnet
 
-from tfpod import UserError, evaluation
+from tfpod import UserError, evaluation, fused
 from tfpod.input import images as images_lib
 from tfpod.sharding import AxisRule, active_context, shard
 
@@ -120,11 +120,10 @@ class ResNetClassifier(tf_keras.Model):
         # `_self_tracked_trackables`, a path tf_keras's DTensor layout mapping skips;
         # listing them here gives each weight a path the mapping follows.
         self.backbone_layers = list(self.backbone.layers)
-        # DTensor has no layout propagation for FusedBatchNormV3: use the unfused
-        # moments (reductions DTensor all-reduces over the batch-sharded mesh axis).
-        for layer in self.backbone._flatten_layers():
-            if isinstance(layer, tf_keras.layers.BatchNormalization):
-                layer.fused = False
+        # DTensor has no layout propagation for FusedBatchNormV3: batch norm trains
+        # through fused.batch_norm (reductions DTensor all-reduces over the batch-sharded
+        # mesh axis, and a hand-written gradient).
+        fused.use_batch_norm(self.backbone)
         self.pool = tf_keras.layers.GlobalAveragePooling2D(name="pool")
         self.logits = tf_keras.layers.Dense(
             config.num_classes, kernel_initializer=tf_keras.initializers.RandomNormal(stddev=config.init_stddev),

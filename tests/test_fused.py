@@ -92,6 +92,61 @@ def test_output_layer_loss_equals_the_logits_loss_with_its_gradient(dtype, tol):
         np.testing.assert_allclose(got, want, rtol=tol, atol=tol)
 
 
+@pytest.mark.parametrize("precision,tol", [("float32", 2e-5), ("mixed_bfloat16", 3e-2)])
+def test_batch_norm_equals_keras_unfused_batch_norm(precision, tol):
+    """fused.BatchNormalization against Keras's unfused layer with the same weights: training
+    output, the gradients of the input, gamma and beta, the moving averages after two
+    steps, and the inference output."""
+    import tf_keras
+
+    rng = np.random.default_rng(0)
+    x = tf.constant(rng.normal(1.5, 2.0, size=(4, 5, 6, 8)).astype(np.float32))
+    w = tf.constant(rng.normal(size=(4, 5, 6, 8)).astype(np.float32))
+    results = []
+    tf_keras.mixed_precision.set_global_policy(precision)
+    try:
+        for cls in (fused.BatchNormalization, tf_keras.layers.BatchNormalization):
+            layer = cls(momentum=0.9, epsilon=1e-3, fused=False if cls is not fused.BatchNormalization else None)
+            layer.build(x.shape)
+            layer.gamma.assign(np.linspace(0.5, 1.5, 8, dtype=np.float32))
+            layer.beta.assign(np.linspace(-1.0, 1.0, 8, dtype=np.float32))
+
+            @tf.function
+            def train(x):
+                with tf.GradientTape() as tape:
+                    tape.watch(x)
+                    y = layer(x, training=True)
+                    total = tf.reduce_sum(tf.cast(y, tf.float32) * w)
+                return [tf.cast(y, tf.float32)] + tape.gradient(total, [x, layer.gamma, layer.beta])
+
+            out = [t.numpy() for t in train(x)]
+            train(x * 0.5 + 1.0)
+            out += [layer.moving_mean.numpy(), layer.moving_variance.numpy(),
+                    tf.cast(layer(x, training=False), tf.float32).numpy()]
+            assert (type(layer) is fused.BatchNormalization) == (len(results) == 0)
+            results.append(out)
+    finally:
+        tf_keras.mixed_precision.set_global_policy("float32")
+    for got, want in zip(*results):
+        np.testing.assert_allclose(got, want, rtol=tol, atol=tol)
+
+
+def test_use_batch_norm_swaps_keras_batch_norm_layers():
+    """The swap keeps each layer's weights and names; other layers are left alone."""
+    import tf_keras
+
+    inputs = tf_keras.Input([4, 4, 3])
+    h = tf_keras.layers.Conv2D(8, 3, name="conv")(inputs)
+    h = tf_keras.layers.BatchNormalization(name="bn")(h)
+    model = tf_keras.Model(inputs, tf_keras.layers.ReLU()(h))
+    names = [v.name for v in model.variables]
+    fused.use_batch_norm(model)
+    bns = [layer for layer in model.layers if "bn" in layer.name]
+    assert [type(layer) for layer in bns] == [fused.BatchNormalization] and not bns[0].fused
+    assert [v.name for v in model.variables] == names
+    assert model(tf.ones([2, 4, 4, 3]), training=True).shape == (2, 2, 2, 8)
+
+
 @pytest.mark.parametrize("name", ["adamw", "lamb", "lars"])
 def test_fused_optimizers_equal_model_gardens(name):
     """Four steps of the Fused* update (one XLA loop per weight) against Model Garden's own

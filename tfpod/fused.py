@@ -127,3 +127,87 @@ def _attention(q: tf.Tensor, k: tf.Tensor, v: tf.Tensor, bias: tf.Tensor) -> tf.
         return out, grad
 
     return core(q, k, v)
+
+
+def batch_norm(x: tf.Tensor, gamma: tf.Tensor, beta: tf.Tensor, epsilon: float):
+    """Training-mode batch normalization over every axis but the last, with its own gradient.
+
+    The math of Keras's unfused BatchNormalization (float32 whatever x's dtype; the
+    biased batch variance): y = (x - mean) * gamma / sqrt(variance + epsilon) + beta.
+    TensorFlow's fused kernel (FusedBatchNormV3) has no DTensor layout propagation, and
+    autodiff of the unfused form takes about twice the passes over x of this backward:
+
+      d beta = sum(dy), d gamma = (sum(dy * x) - mean * sum(dy)) * inv,
+      d x = dy * a + x * c1 + c2, with a = gamma * inv and per-channel c1, c2.
+
+    Under DTensor a batch-sharded x's sums are reduced over the mesh (synchronized batch
+    norm over the global batch).
+
+    Args:
+      x: [..., channels] (any float dtype).
+      gamma, beta: [channels] float32.
+      epsilon: added to the variance.
+
+    Returns:
+      (y in x's dtype, mean, variance [channels] float32). The statistics are for the
+      moving averages: no gradient flows back through them.
+    """
+    axes = list(range(len(x.shape) - 1))
+
+    @tf.autograph.experimental.do_not_convert
+    @tf.custom_gradient
+    def core(x, gamma, beta):
+        with scope():
+            xf = tf.cast(x, tf.float32)
+            mean = tf.reduce_mean(xf, axes)
+            variance = tf.reduce_mean(tf.math.squared_difference(xf, mean), axes)
+            inv = tf.math.rsqrt(variance + epsilon)
+            a = gamma * inv
+            y = tf.cast(xf * a + (beta - mean * a), x.dtype)
+
+        def grad(dy, *_):  # the statistics' gradients: none (they only feed the moving averages)
+            with scope():
+                dyf = tf.cast(dy, tf.float32)
+                n = tf.cast(tf.size(dyf) // tf.shape(dyf)[-1], tf.float32)
+                sum_dy = tf.reduce_sum(dyf, axes)
+                sum_dy_xc = tf.reduce_sum(dyf * xf, axes) - mean * sum_dy  # sum(dy * (x - mean))
+                c1 = -a * inv * inv * sum_dy_xc / n
+                c2 = -a * sum_dy / n - mean * c1
+                dx = tf.cast(dyf * a + (xf * c1 + c2), x.dtype)
+            return dx, sum_dy_xc * inv, sum_dy
+
+        return (y, mean, variance), grad
+
+    return core(x, gamma, beta)
+
+
+class BatchNormalization(tf_keras.layers.BatchNormalization):
+    """Keras's BatchNormalization (same weights, moving averages and inference path) whose
+    training step is `batch_norm`: what DTensor can run in place of the fused kernel.
+
+    Configurations `batch_norm` does not cover (renorm, virtual batches, masks, a
+    channel axis other than the last, a training flag that is a tensor) take Keras's
+    unfused path.
+    """
+
+    def call(self, inputs, training=None, mask=None):
+        training = self._get_training_value(training)
+        plain = (training is not True or mask is not None or self.renorm or self.virtual_batch_size is not None
+                 or self.adjustment is not None or self.gamma is None or self.beta is None
+                 or list(self.axis) != [len(inputs.shape) - 1])
+        if plain:
+            return super().call(inputs, training=training, mask=mask)
+        y, mean, variance = batch_norm(tf.cast(inputs, self.compute_dtype), self.gamma, self.beta, self.epsilon)
+        self.add_update(lambda: self._assign_moving_average(self.moving_mean, mean, self.momentum, None))
+        self.add_update(lambda: self._assign_moving_average(self.moving_variance, variance, self.momentum, None))
+        return y
+
+
+def use_batch_norm(model: tf_keras.layers.Layer) -> None:
+    """Makes every Keras BatchNormalization layer inside `model` a `BatchNormalization`
+    (unfused: FusedBatchNormV3 has no DTensor layout propagation). Weights, names and
+    checkpoints are unchanged; call it before the model is first called."""
+    for layer in model._flatten_layers():
+        if type(layer) is tf_keras.layers.BatchNormalization:
+            layer.fused = False
+            layer.__class__ = BatchNormalization

@@ -72,7 +72,7 @@ import tensorflow as tf
 import tf_keras
 from tensorflow.experimental import dtensor
 
-from tfpod import UserError, checkpoint as checkpointlib
+from tfpod import UserError, checkpoint as checkpointlib, fused
 from tfpod import sharding as shardinglib
 
 log = logging.getLogger("tfpod")
@@ -544,10 +544,12 @@ def _unfuse_normalization(model) -> None:
     DTensor has no layout propagation for FusedBatchNormV3, which both layers use by
     default ("'tf.FusedBatchNormV3' op does not implement layout propagation" when
     the train step compiles); the unfused moments are reductions DTensor handles
-    (over the whole batch when it is sharded: synchronized batch norm).
+    (over the whole batch when it is sharded: synchronized batch norm). Keras's
+    BatchNormalization trains through `fused.batch_norm` (a hand-written gradient).
     """
     from tf_keras.src.layers.normalization import batch_normalization, layer_normalization
 
+    fused.use_batch_norm(model)
     for layer in model._flatten_layers():
         if isinstance(layer, layer_normalization.LayerNormalization) and getattr(layer, "_fused", False):
             layer._fused = False
