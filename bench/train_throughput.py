@@ -31,7 +31,8 @@ In one run on one machine, each measurement in its own fresh process, one after 
   model_garden  the model as Model Garden builds it (model_garden_model: for gpt_small
                 its OnDeviceEmbedding, PositionEmbedding and TransformerEncoderBlocks;
                 for bert_base its BertPretrainerV2 on BertEncoderV2; ResNet is tfpod's
-                class, which is Model Garden's vision ResNet) and the Keras loss above, trained by
+                class, which is Model Garden's vision ResNet, with Keras's fused batch
+                norm as Model Garden runs it) and the Keras loss above, trained by
                 tf-models-official's own trainer:
                 an `official.core.base_task.Task` (build_losses = the Keras loss
                 above) run by `official.core.base_trainer.Trainer` under an
@@ -213,8 +214,12 @@ def _plain_keras_bert(cfg, init):
 
 
 def model_garden_model(task, cfg):
-    """The model as Model Garden builds it (None for ResNet, whose tfpod class is Model
-    Garden's vision ResNet already).
+    """The model as Model Garden builds it.
+
+    resnet: tfpod's class, which is Model Garden's vision ResNet backbone and a Dense
+    head, with Keras's fused batch norm (FusedBatchNormV3) as Model Garden runs it;
+    tfpod trains batch norm through `fused.batch_norm` because DTensor cannot lay out
+    the fused kernel.
 
     bert: Model Garden's `BertPretrainerV2` on its `BertEncoderV2` (its own
     TransformerEncoderBlocks with EinsumDense, its gather embedding) and masked-LM head,
@@ -230,8 +235,14 @@ def model_garden_model(task, cfg):
     import tf_keras
     from official.nlp.modeling import layers as mg_layers
 
-    if task.NAME not in ("gpt", "bert"):
-        return None
+    if task.NAME == "resnet":
+        from tfpod import fused
+
+        model = task.build(cfg)
+        for layer in model._flatten_layers():
+            if type(layer) is fused.BatchNormalization:
+                layer.__class__, layer.fused = tf_keras.layers.BatchNormalization, True
+        return model
     init = lambda: tf_keras.initializers.TruncatedNormal(stddev=cfg.init_stddev)
     if task.NAME == "bert":
         return _model_garden_bert(task, cfg, init)

@@ -131,8 +131,9 @@ def test_batch_norm_equals_keras_unfused_batch_norm(precision, tol):
         np.testing.assert_allclose(got, want, rtol=tol, atol=tol)
 
 
-def test_use_batch_norm_swaps_keras_batch_norm_layers():
-    """The swap keeps each layer's weights and names; other layers are left alone."""
+def test_use_batch_norm_swaps_keras_batch_norm_layers(tmp_path):
+    """The swap keeps each layer's weights and names; other layers are left alone; the
+    model saves and loads in Keras's format."""
     import tf_keras
 
     inputs = tf_keras.Input([4, 4, 3])
@@ -145,6 +146,10 @@ def test_use_batch_norm_swaps_keras_batch_norm_layers():
     assert [type(layer) for layer in bns] == [fused.BatchNormalization] and not bns[0].fused
     assert [v.name for v in model.variables] == names
     assert model(tf.ones([2, 4, 4, 3]), training=True).shape == (2, 2, 2, 8)
+    model.save(tmp_path / "model.keras")
+    loaded = tf_keras.models.load_model(tmp_path / "model.keras")
+    assert type(loaded.get_layer("bn")) is fused.BatchNormalization
+    np.testing.assert_allclose(loaded.get_layer("bn").moving_mean.numpy(), bns[0].moving_mean.numpy())
 
 
 @pytest.mark.parametrize("name", ["adamw", "lamb", "lars"])

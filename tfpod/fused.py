@@ -181,6 +181,7 @@ def batch_norm(x: tf.Tensor, gamma: tf.Tensor, beta: tf.Tensor, epsilon: float):
     return core(x, gamma, beta)
 
 
+@tf_keras.saving.register_keras_serializable(package="tfpod")
 class BatchNormalization(tf_keras.layers.BatchNormalization):
     """Keras's BatchNormalization (same weights, moving averages and inference path) whose
     training step is `batch_norm`: what DTensor can run in place of the fused kernel.
