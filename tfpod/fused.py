@@ -205,9 +205,10 @@ class BatchNormalization(tf_keras.layers.BatchNormalization):
 
 
 def use_batch_norm(model: tf_keras.layers.Layer) -> None:
-    """Makes every Keras BatchNormalization layer inside `model` a `BatchNormalization`
-    (unfused: FusedBatchNormV3 has no DTensor layout propagation). Weights, names and
-    checkpoints are unchanged; call it before the model is first called."""
+    """Makes every Keras BatchNormalization layer inside `model` (that class itself, not
+    subclasses such as SyncBatchNormalization) a `BatchNormalization` (FusedBatchNormV3
+    has no DTensor layout propagation). Weights, names and checkpoints are unchanged;
+    call it before the train step is traced."""
     for layer in model._flatten_layers():
         if type(layer) is tf_keras.layers.BatchNormalization:
             layer.fused = False
