@@ -106,7 +106,8 @@ def test_batch_norm_equals_keras_unfused_batch_norm(precision, tol):
     tf_keras.mixed_precision.set_global_policy(precision)
     try:
         for cls in (fused.BatchNormalization, tf_keras.layers.BatchNormalization):
-            layer = cls(momentum=0.9, epsilon=1e-3, fused=False if cls is not fused.BatchNormalization else None)
+            layer = cls(momentum=0.9, epsilon=1e-3, fused=False if cls is not fused.BatchNormalization else None,
+                        name=f"bn_{len(results)}")
             layer.build(x.shape)
             layer.gamma.assign(np.linspace(0.5, 1.5, 8, dtype=np.float32))
             layer.beta.assign(np.linspace(-1.0, 1.0, 8, dtype=np.float32))

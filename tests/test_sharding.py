@@ -3,6 +3,7 @@
 import os
 
 import pytest
+import tf_keras
 from tensorflow.experimental import dtensor
 
 from tfpod import UserError, sharding
@@ -163,6 +164,7 @@ def test_golden_layouts(tmp_path, model, preset, spec):
     from tfpod.models import get_task
     from tfpod.trainer import TrainConfig, Trainer
 
+    tf_keras.backend.clear_session()  # Keras's auto-names (batch_normalization_N) count layers made before
     parse_config([f"gin/model/{model}.gin"], [])
     task = get_task(_build_config("experiment").model)
     placement = sharding.ShardingConfig(preset=preset).trainer_args(task.DEFAULT_PRESET)
