@@ -1,0 +1,157 @@
+"""What `model.compile` does to a model built under `tfpod.sharding`.
+
+It checks the model (built, every weight on the mesh, every rule used), swaps layers
+whose TensorFlow kernels DTensor cannot lay out for equivalent ones, moves metric
+objects onto the mesh, and converts the optimizer (`mesh_optimizer`).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import tensorflow as tf
+import tf_keras
+from tensorflow.experimental import dtensor
+
+from tfpod import UserError, fused
+from tfpod.keras.layout_map import KerasSharding, is_dvariable as _is_dvariable
+
+log = logging.getLogger("tfpod")
+
+
+def prepare_compile(model, layout_map: KerasSharding, optimizer, steps_per_execution):
+    """Checks a sharded model before compile and returns its optimizer on the mesh."""
+    if not model.built:
+        raise UserError(
+            f"model {model.name!r} has no variables yet: build it before compile (call it on a batch, "
+            "or model.build(input_shape)); its variables are placed on the mesh when it is built"
+        )
+    off_mesh = [w.name for w in model.weights if not _is_dvariable(getattr(w, "_variable", w))]
+    if off_mesh:
+        raise UserError(
+            f"weight {off_mesh[0]} of model {model.name!r} is not on the mesh (a mixed-precision variable, "
+            "or one created outside the model's layers or outside tfpod.sharding): use a float32 policy and "
+            "create every variable in the model's layers inside `with tfpod.sharding(...)`"
+        )
+    layout_map.check_rules_used()
+    _unfuse_normalization(model)
+    if steps_per_execution == "auto":
+        raise UserError("steps_per_execution='auto' is not supported with tfpod.sharding: give a number")
+    log.info("layouts:\n%s", layout_map.report(f"{model.name} variables"))
+    return mesh_optimizer(optimizer, model, layout_map.mesh)
+
+
+def mesh_metrics(metrics, mesh: dtensor.Mesh):
+    """Metric objects with their state as replicated DVariables on the mesh.
+
+    Metrics given by name are created by Keras on the model's mesh; a metric object
+    made by the user has ordinary (or, made inside `tfpod.sharding`, lazy) variables,
+    which a DTensor train step silently updates wrongly, so it is re-created from its
+    config with the mesh set before its variables are made (how tf_keras's own
+    `mesh=` argument of metrics works).
+    """
+    from tf_keras.src.metrics import base_metric
+
+    def place(m):
+        if not isinstance(m, base_metric.Metric):
+            return m
+        if m.variables and all(_is_dvariable(v) for v in m.variables):
+            return m
+        new = type(m).__new__(type(m))
+        object.__setattr__(new, "_mesh", mesh)
+        try:
+            new.__init__(**m.get_config())
+        except (TypeError, ValueError, NotImplementedError) as e:
+            raise UserError(
+                f"metric {m.name!r} ({type(m).__name__}) cannot be re-created on the mesh from its config ({e}): "
+                f"pass it by name, or create it with mesh=<the model's mesh>"
+            ) from None
+        return new
+
+    if isinstance(metrics, dict):
+        return {k: mesh_metrics(v, mesh) for k, v in metrics.items()}
+    if isinstance(metrics, (list, tuple)):
+        return type(metrics)(mesh_metrics(m, mesh) for m in metrics)
+    return place(metrics)
+
+
+def _unfuse_normalization(model) -> None:
+    """Makes layer and batch normalization use their unfused ops.
+
+    DTensor has no layout propagation for FusedBatchNormV3, which both layers use by
+    default ("'tf.FusedBatchNormV3' op does not implement layout propagation" when
+    the train step compiles); the unfused moments are reductions DTensor handles
+    (over the whole batch when it is sharded: synchronized batch norm). Keras's
+    BatchNormalization trains through `fused.batch_norm` (a hand-written gradient).
+    """
+    from tf_keras.src.layers.normalization import batch_normalization, layer_normalization
+
+    fused.use_batch_norm(model)
+    for layer in model._flatten_layers():
+        if isinstance(layer, layer_normalization.LayerNormalization) and getattr(layer, "_fused", False):
+            layer._fused = False
+        elif isinstance(layer, batch_normalization.BatchNormalizationBase) and getattr(layer, "fused", False):
+            layer.fused = False
+
+
+def mesh_optimizer(optimizer, model, mesh: dtensor.Mesh):
+    """The optimizer, on the mesh: tf_keras's DTensor optimizer, or a legacy one with DVariable state.
+
+    Args:
+      optimizer: a name ('adam'), a config dict, a tf_keras optimizer instance
+        (re-created from its config with `mesh=` unless it already has it), or a
+        legacy optimizer (tf_keras.optimizers.legacy, tf-models-official's) whose
+        step counter, hyperparameters and slots are created now as DVariables.
+      model: the built model (its trainable variables get the slots).
+      mesh: the mesh.
+    """
+    from tf_keras.src.optimizers import optimizer as new_optimizer
+    from tf_keras.src.optimizers.legacy import optimizer_v2
+
+    if isinstance(optimizer, (str, dict)):
+        optimizer = tf_keras.optimizers.get(optimizer)
+    if isinstance(optimizer, new_optimizer.Optimizer):
+        if getattr(optimizer, "_mesh", None) is not None:
+            if optimizer._mesh != mesh:
+                raise UserError(
+                    f"optimizer {optimizer.name!r} was made for another mesh than the model's: make it with "
+                    "the model's mesh, or pass it by name"
+                )
+            return optimizer
+        if any(v is not optimizer.iterations for v in optimizer.variables):
+            raise UserError(
+                f"optimizer {optimizer.name!r} already has state (slots), so it cannot be moved onto the mesh: "
+                "pass a fresh optimizer (or its name) to compile"
+            )
+        config = optimizer.get_config()
+        config.pop("is_legacy_optimizer", None)
+        return _from_config(optimizer, config, mesh)
+    if isinstance(optimizer, optimizer_v2.OptimizerV2):
+        from tfpod import optimizers as tfpod_optimizers
+
+        if optimizer._slots or optimizer._hypers_created:
+            inner = [v for v in optimizer.variables()]
+            if inner and not all(_is_dvariable(v) for v in inner):
+                raise UserError(
+                    f"optimizer {optimizer.name!r} already has state outside the mesh: pass a fresh optimizer"
+                )
+        tfpod_optimizers.create_state(optimizer, model.trainable_variables, mesh)
+        return optimizer
+    raise UserError(
+        f"optimizer {optimizer!r} is not a tf_keras optimizer: pass a name such as 'adam', a "
+        "tf_keras.optimizers optimizer, or a legacy one (tf_keras.optimizers.legacy, tf-models-official)"
+    )
+
+
+def _from_config(optimizer, config: dict, mesh: dtensor.Mesh):
+    from tf_keras.src.optimizers.schedules import learning_rate_schedule
+
+    if isinstance(config.get("learning_rate"), dict):
+        config["learning_rate"] = learning_rate_schedule.deserialize(config["learning_rate"])
+    try:
+        return type(optimizer)(**config, mesh=mesh)
+    except TypeError as e:
+        raise UserError(
+            f"optimizer {type(optimizer).__name__} cannot be re-created on the mesh ({e}): create it with "
+            f"mesh=<the model's mesh> yourself"
+        ) from None
