@@ -58,7 +58,7 @@ from official.nlp.modeling import networks as mg_networks
 from tfpod import UserError, evaluation, fused
 from tfpod.input import bert_data
 from tfpod.models import gpt
-from tfpod.sharding import AxisRule, shard
+from tfpod.sharding import AxisRule, rows_split, shard
 
 NAME = "bert"
 DEFAULT_PRESET = "tensor"
@@ -255,7 +255,7 @@ class BertPretrainer(tf_keras.Model):
         """(masked-LM logits [batch, predictions, vocab] float32, pooled [CLS] output [batch, hidden])."""
         embedding = self.encoder.get_embedding_layer()
         # A gather when the vocab rows are whole on every device, else a one-hot matmul (as gpt).
-        embedding._use_one_hot = not embedding.built or gpt.rows_split(embedding.embeddings)
+        embedding._use_one_hot = not embedding.built or rows_split(embedding.embeddings)
         outputs = self.encoder(
             {"input_word_ids": inputs["input_ids"], "input_mask": inputs["input_mask"],
              "input_type_ids": inputs["segment_ids"]},

@@ -28,7 +28,7 @@ from official.nlp.modeling import layers as mg_layers
 
 from tfpod import UserError, evaluation, fused
 from tfpod.input import pipeline
-from tfpod.sharding import AxisRule, shard
+from tfpod.sharding import AxisRule, rows_split, shard
 
 NAME = "gpt"
 DEFAULT_PRESET = "tensor"
@@ -170,12 +170,6 @@ class GPT(tf_keras.Model):
         logits = tf.matmul(flat, table, transpose_b=True)  # [batch * length, vocab]
         logits = tf.reshape(logits, leading_dims(x, 2) + [self.config.vocab_size])
         return tf.cast(logits, tf.float32)
-
-
-def rows_split(variable) -> bool:
-    """Whether a (D)Variable's first dimension is split over a mesh axis (False without a mesh)."""
-    layout = getattr(getattr(variable, "_variable", variable), "layout", None)  # AutoCastVariable wraps it
-    return layout is not None and layout.sharding_specs[0] != "unsharded"
 
 
 def leading_dims(x: tf.Tensor, n: int) -> list:

@@ -17,6 +17,7 @@ from tensorflow.experimental import dtensor
 import tfpod
 from tfpod import UserError
 from tfpod import fused, keras as tk
+from tfpod.keras import support
 
 BATCH, FEATURES, CLASSES = 32, 16, 4
 
@@ -266,3 +267,169 @@ def test_bad_rules_stop_with_one_line(mesh42):
     with pytest.raises(UserError) as e:
         build(FUNCTIONAL_RULES, cover_all=True)
     assert "matches no sharding rule" in one_line(e)
+
+
+# -- layers whose kernels DTensor cannot lay out ------------------------------------------
+
+
+def text_model():
+    ids = tf_keras.Input((12,), dtype="int32")
+    x = tf_keras.layers.Embedding(48, 8, name="embed")(ids)
+    x = tf_keras.layers.SeparableConv1D(8, 3, padding="causal", name="sep1d")(x)
+    x = tf_keras.layers.DepthwiseConv1D(3, padding="same", depth_multiplier=2, name="dw1d")(x)
+    x = tf_keras.layers.GlobalAveragePooling1D()(x)
+    return tf_keras.Model(ids, tf_keras.layers.Dense(CLASSES, name="head")(x))
+
+
+def image_model():
+    images = tf_keras.Input((9, 9, 3))
+    x = tf_keras.layers.Conv2D(4, 3, padding="same", name="conv")(images)
+    x = tf_keras.layers.DepthwiseConv2D(3, strides=2, padding="same", depth_multiplier=2, activation="relu",
+                                        name="dw2d")(x)
+    x = tf_keras.layers.SeparableConv2D(6, 3, dilation_rate=2, padding="same", name="sep2d")(x)
+    x = tf_keras.layers.GlobalAveragePooling2D()(x)
+    return tf_keras.Model(images, tf_keras.layers.Dense(CLASSES, name="head")(x))
+
+
+@pytest.mark.parametrize("kind", ["text", "image"])
+def test_embeddings_and_depthwise_convolutions_train_like_unsharded(mesh42, kind):
+    """Embedding (its table's rows split over `model`: a one-hot matmul; its sparse gradient
+    made dense), DepthwiseConv1D/2D and SeparableConv1D/2D (strides, dilation, causal
+    padding; tfpod.fused.depthwise_conv2d's gradient) train on data:4,model:2 as unsharded,
+    with a new and a legacy optimizer."""
+    rng = np.random.RandomState(0)
+    build, x = ((text_model, rng.randint(0, 48, (64, 12)).astype("int32")) if kind == "text" else
+                (image_model, rng.randn(64, 9, 9, 3).astype("float32")))
+    y = rng.randint(0, CLASSES, (64,)).astype("int32")
+    rules = {r"embed\.embeddings": ("vocab", "embed")} if kind == "text" else None
+    optimizer = (lambda: tf_keras.optimizers.Adam(1e-2)) if kind == "text" else (
+        lambda: tf_keras.optimizers.legacy.SGD(0.1, momentum=0.9))
+    tf_keras.utils.set_random_seed(0)
+    plain = build()
+    with tfpod.sharding(mesh42, rules=rules):
+        model = build()
+    model.set_weights(plain.get_weights())
+    compile_(plain, optimizer())
+    compile_(model, optimizer())
+    swapped = {layer.name: type(layer).__module__ for layer in model.layers}
+    assert all(swapped[n] == "tfpod.keras.layers" for n in swapped if n in ("sep1d", "dw1d", "dw2d", "sep2d"))
+    if kind == "text":
+        assert specs(model)["embed/embeddings"] == ("model", dtensor.UNSHARDED)
+        assert swapped["embed"] == "tfpod.keras.layers"  # OneHotEmbedding: DTensor's gather needs whole rows
+    train = batches(x, y, batch=16, drop_remainder=True)
+    sharded = model.fit(tk.to_mesh(train, mesh42), epochs=3, verbose=0).history
+    reference = plain.fit(train, epochs=3, verbose=0).history
+    assert_close(sharded["loss"], reference["loss"])
+    assert_close(model.predict(tk.to_mesh(train, mesh42), verbose=0), plain.predict(train, verbose=0))
+
+
+def test_mobilenet_v2_trains_sharded():
+    """tf_keras.applications.MobileNetV2 (depthwise convolutions, batch norm, ReLU6) on data:8:
+    the first step's loss and the weights after it equal plain Keras's (whose fused batch
+    norm sums in another order: within 5e-4 of the largest update)."""
+    mesh = tfpod.make_mesh("data:8")
+    build = lambda: tf_keras.applications.MobileNetV2(weights=None, input_shape=(32, 32, 3), classes=5, alpha=0.35)
+    rng = np.random.RandomState(0)
+    x, y = rng.randn(16, 32, 32, 3).astype("float32"), rng.randint(0, 5, (16,)).astype("int32")
+    tf_keras.utils.set_random_seed(0)
+    plain = build()
+    start = plain.get_weights()
+    with tfpod.sharding(mesh):
+        model = build()
+    model.set_weights(start)
+    for m in (plain, model):
+        m.compile(optimizer=tf_keras.optimizers.SGD(0.1), loss=tf_keras.losses.SparseCategoricalCrossentropy())
+    train = tf.data.Dataset.from_tensor_slices((x, y)).batch(16)
+    sharded = model.fit(tk.to_mesh(train, mesh), epochs=1, verbose=0).history["loss"]
+    reference = plain.fit(train, epochs=1, verbose=0).history["loss"]
+    assert_close(sharded, reference, rtol=1e-5)
+    after, expected = model.get_weights(), plain.get_weights()
+    largest = max(np.abs(e - s).max() for e, s in zip(expected, start))
+    assert largest > 0.1
+    assert max(np.abs(a - e).max() for a, e in zip(after, expected)) < 5e-4 * largest
+
+
+class Recurrent(tf_keras.Model):
+    def __init__(self):
+        super().__init__()
+        self.gru = tf_keras.layers.GRU(4, name="gru")
+        self.head = tf_keras.layers.Dense(CLASSES)
+
+    def call(self, x):
+        return self.head(self.gru(x))
+
+
+def test_unsupported_ops_are_found_at_compile(mesh42):
+    """A layer whose train step DTensor cannot lay out stops compile with one line naming it
+    and what to do (a trace, nothing run); built as the line says, it trains."""
+    seq = np.random.RandomState(0).randn(32, 6, 5).astype("float32")
+    labels = np.zeros(32, "int32")
+
+    def recurrent(**kwargs):
+        inputs = tf_keras.Input((6, 5))
+        out = tf_keras.layers.Bidirectional(tf_keras.layers.LSTM(4, **kwargs), name="bilstm")(inputs)
+        return tf_keras.Model(inputs, tf_keras.layers.Dense(CLASSES)(out))
+
+    with tfpod.sharding(mesh42):
+        model = recurrent()
+    with pytest.raises(UserError) as e:
+        compile_(model)
+    assert one_line(e).startswith("model 'model") and "layer 'bilstm' (Bidirectional) uses the op TensorList" in str(
+        e.value) and "unroll=True" in str(e.value)
+    with tfpod.sharding(mesh42):
+        model = recurrent(unroll=True)
+    compile_(model)
+    loss = model.fit(tk.to_mesh(batches(seq, labels), mesh42), epochs=1, verbose=0).history["loss"]
+    assert np.isfinite(loss).all()
+
+    with tfpod.sharding(mesh42):
+        model = Recurrent()
+        model(seq[:2])  # a subclassed model: its first call's inputs give the traced spec
+    with pytest.raises(UserError) as e:
+        compile_(model)
+    assert "layer 'gru' (GRU) uses the op TensorList" in one_line(e)
+
+    with tfpod.sharding(mesh42):
+        inputs = tf_keras.Input((6, 5))
+        flipped = tf_keras.layers.Lambda(lambda t: tf.reverse(t, [1]), name="flip")(inputs)
+        model = tf_keras.Model(inputs, tf_keras.layers.Dense(CLASSES)(tf_keras.layers.Flatten()(flipped)))
+    with pytest.raises(UserError) as e:
+        compile_(model)
+    assert "layer 'flip' (Lambda) uses the op ReverseV2" in one_line(e) and "tf.gather" in str(e.value)
+
+    # An op the table does not list fails when the step compiles: one line naming it.
+    x = dtensor.copy_to_mesh(tf.ones([8, 4]), dtensor.Layout.replicated(mesh42, 2))
+    with pytest.raises(tf.errors.OpError) as raw:
+        tf.function(lambda t: tf.reverse(t, [1]))(dtensor.relayout(x, dtensor.Layout(["data", "unsharded"], mesh42)))
+    assert str(support.translate(raw.value, "m")).startswith("model 'm': the op ReverseV2 in its train step")
+
+
+class Tracked(tf_keras.Model):
+    def __init__(self):
+        super().__init__()
+        self.dense = tf_keras.layers.Dense(3)
+        self.tracker = tf_keras.metrics.Mean(name="loss_tracker")
+
+    def call(self, x):
+        return self.dense(x)
+
+
+def test_weights_keep_their_order_and_unused_mesh_axes_are_refused():
+    mesh = tfpod.make_mesh("data:8")
+    plain = Tracked()
+    plain(np.ones((8, 5), "float32"))
+    with tfpod.sharding(mesh):
+        model = Tracked()
+        model(np.ones((8, 5), "float32"))
+    # A metric's [total, count] (tf_keras re-created them in path order: [count, total]).
+    assert [w.name.split("/")[-1] for w in model.weights] == [w.name.split("/")[-1] for w in plain.weights]
+    values = [np.full(w.shape, i + 1.0, "float32") for i, w in enumerate(plain.weights)]
+    model.set_weights(values)
+    plain.set_weights(model.get_weights())
+    assert float(plain.tracker.result()) == 3.0 / 4.0  # total 3 / count 4: not swapped
+
+    with pytest.raises(UserError) as e:
+        tfpod.sharding(tfpod.make_mesh("data:4,modle:2"))
+    assert one_line(e).startswith("mesh axis 'modle' (size 2) is used by no rule of preset 'tensor' (its mesh axes: "
+                                  "'data', 'expert', 'model')")
+    tfpod.sharding(tfpod.make_mesh("data:4,modle:2"), rules={r"dense\.kernel": (None, "modle")})  # named in a rule

@@ -213,3 +213,77 @@ def use_batch_norm(model: tf_keras.layers.Layer) -> None:
         if type(layer) is tf_keras.layers.BatchNormalization:
             layer.fused = False
             layer.__class__ = BatchNormalization
+
+
+def _conv_geometry(size: int, kernel: int, stride: int, dilation: int, padding: str) -> tuple[int, int, int]:
+    """(output size, padding before, padded input size) of one spatial dimension, as TensorFlow pads."""
+    extent = (kernel - 1) * dilation + 1
+    if padding == "VALID":
+        return (size - extent) // stride + 1, 0, size
+    out = -(-size // stride)
+    total = max((out - 1) * stride + extent - size, 0)
+    return out, total // 2, size + total
+
+
+def _dilate(kernel: tf.Tensor, dh: int, dw: int) -> tf.Tensor:
+    """[kh, kw, c, m] -> [(kh-1)*dh+1, (kw-1)*dw+1, c, m] with zeros between the taps."""
+    if dh == dw == 1:
+        return kernel
+    kh, kw, c, m = kernel.shape
+    k = tf.pad(tf.reshape(kernel, [kh, 1, kw, 1, c, m]), [[0, 0], [0, dh - 1], [0, 0], [0, dw - 1], [0, 0], [0, 0]])
+    return tf.reshape(k, [kh * dh, kw * dw, c, m])[: (kh - 1) * dh + 1, : (kw - 1) * dw + 1]
+
+
+def depthwise_conv2d(x: tf.Tensor, kernel: tf.Tensor, strides=(1, 1), padding: str = "SAME",
+                     dilations=(1, 1)) -> tf.Tensor:
+    """`tf.nn.depthwise_conv2d` (NHWC), with a gradient that DTensor can lay out.
+
+    DTensor runs the forward kernel (DepthwiseConv2dNative) but has no layout
+    propagation for its two gradient kernels. Here the input gradient is the forward
+    kernel again (a full correlation of the stride-upsampled output gradient with the
+    flipped filter), and the filter gradient one einsum per filter tap of a strided
+    slice of the padded input with the output gradient; under DTensor a batch-sharded
+    input's sums over the batch are reduced over the mesh. A dilated filter is applied
+    as an undilated one with zeros between its taps (the same products).
+
+    Args:
+      x: [batch, height, width, channels]; height and width static.
+      kernel: [kh, kw, channels, multiplier].
+      strides: (sh, sw).
+      padding: "SAME" or "VALID" (either case).
+      dilations: (dh, dw); TensorFlow allows dilation only with stride 1.
+
+    Returns:
+      [batch, out_height, out_width, channels * multiplier], as tf.nn.depthwise_conv2d.
+    """
+    (sh, sw), (dh, dw), padding = tuple(strides), tuple(dilations), padding.upper()
+    kh, kw, c, m = kernel.shape
+    n_h, n_w = x.shape[1], x.shape[2]
+    oh, pb_h, np_h = _conv_geometry(n_h, kh, sh, dh, padding)
+    ow, pb_w, np_w = _conv_geometry(n_w, kw, sw, dw, padding)
+
+    @tf.custom_gradient
+    def core(x, kernel):
+        y = tf.nn.depthwise_conv2d(x, _dilate(kernel, dh, dw), [1, sh, sw, 1], padding)
+
+        def grad(dy):  # dy [batch, oh, ow, c * m]
+            # Input: the output gradient placed at its stride positions (zeros between),
+            # padded for a full correlation with the flipped filter, then cropped.
+            up = tf.pad(tf.reshape(dy, [-1, oh, 1, ow, 1, c * m]), [[0, 0], [0, 0], [0, sh - 1], [0, 0], [0, sw - 1], [0, 0]])
+            up = tf.reshape(up, [-1, oh * sh, ow * sw, c * m])[:, : (oh - 1) * sh + 1, : (ow - 1) * sw + 1]
+            eh, ew = (kh - 1) * dh, (kw - 1) * dw
+            full = tf.pad(up, [[0, 0], [eh, np_h - (oh - 1) * sh - 1], [ew, np_w - (ow - 1) * sw - 1], [0, 0]])
+            flipped = tf.reshape(_dilate(kernel[::-1, ::-1], dh, dw), [eh + 1, ew + 1, c * m, 1])
+            dx = tf.nn.depthwise_conv2d(full, flipped, [1, 1, 1, 1], "VALID")  # [batch, np_h, np_w, c * m]
+            dx = tf.reduce_sum(tf.reshape(dx, [-1, np_h, np_w, c, m]), -1)[:, pb_h: pb_h + n_h, pb_w: pb_w + n_w]
+            # Filter: tap (i, j) sees the padded input at rows i*dh + k*sh, columns j*dw + l*sw.
+            padded = tf.pad(x, [[0, 0], [pb_h, np_h - n_h - pb_h], [pb_w, np_w - n_w - pb_w], [0, 0]])
+            dy5 = tf.reshape(dy, [-1, oh, ow, c, m])
+            taps = [tf.einsum("bhwc,bhwcm->cm", padded[:, i * dh: i * dh + (oh - 1) * sh + 1: sh,
+                                                          j * dw: j * dw + (ow - 1) * sw + 1: sw], dy5)
+                    for i in range(kh) for j in range(kw)]
+            return dx, tf.reshape(tf.stack(taps), [kh, kw, c, m])
+
+        return y, grad
+
+    return core(x, kernel)

@@ -207,10 +207,13 @@ def run(
     sharding_config = _build_config("sharding")
     placement = sharding_config.trainer_args(task.DEFAULT_PRESET)
 
-    from tfpod import mesh as meshlib, runtime, trainer
+    from tfpod import mesh as meshlib, runtime, sharding, trainer
 
     info = runtime.initialize(cpu_devices=cpu_devices, device_type=device_type)
     mesh = meshlib.make_mesh(mesh_spec or experiment.mesh)
+    sharding.check_mesh_axes(mesh, placement["table"], (placement["update_axis"], placement["gather_axis"]),
+                             preset=sharding_config.preset or task.DEFAULT_PRESET,
+                             fix=f"map a logical axis to it with sharding.rules (e.g. {{'mlp': '<axis>'}})")
     task_input = None
     if not train_config.synthetic_data:  # the default demo data is prepared here on first use
         task_input = task.make_input(_build_config(task.DATA), model_config, info.num_clients, info.client_id,

@@ -122,6 +122,32 @@ def rules_table(preset: str, overrides: Mapping[str, str | None] | None = None) 
     return table
 
 
+def check_mesh_axes(mesh: dtensor.Mesh, table: Mapping[str, str | None], also_used: Iterable[str | None] = (),
+                    preset: str = "", fix: str = "") -> None:
+    """Raises one UserError for a mesh axis of more than one device that nothing maps to.
+
+    The devices along such an axis would each repeat the same work on the same data
+    with the same replicated weights (a typo like `modle:2` did that silently).
+
+    Args:
+      mesh: the mesh.
+      table: logical axis -> mesh axis.
+      also_used: other mesh axes in use (the update axis, the gather axis).
+      preset: the preset's name, for the message.
+      fix: how a rule maps something to the axis, for the message.
+    """
+    used = {a for a in table.values() if a} | {a for a in also_used if a}
+    for axis in mesh.dim_names:
+        if mesh.dim_size(axis) > 1 and axis not in used:
+            names = ", ".join(repr(a) for a in sorted(used)) or "none"
+            rules = f"preset {preset!r}" if preset else "the sharding rules"
+            raise UserError(
+                f"mesh axis {axis!r} (size {mesh.dim_size(axis)}) is used by no rule of {rules} (its mesh axes: "
+                f"{names}): the devices along it would only repeat each other's work; rename the axis to one of "
+                f"those, or {fix or 'map a logical axis to it'}"
+            )
+
+
 def layout_for(axes: Sequence[str | None], table: Mapping[str, str | None], mesh: dtensor.Mesh) -> dtensor.Layout:
     """The DTensor layout of a tensor whose dimensions have these logical axes.
 
@@ -458,6 +484,12 @@ def build_sharded(
     layout_map_lib._map_subclass_model_variable(model, exact)
     model._layout_map = exact  # Keras-created counters become replicated DVariables
     return model, specs, layouts
+
+
+def rows_split(variable) -> bool:
+    """Whether a (D)Variable's first dimension is split over a mesh axis (False without a mesh)."""
+    layout = getattr(_unwrap(variable), "layout", None)  # AutoCastVariable wraps it
+    return layout is not None and layout.sharding_specs[0] != dtensor.UNSHARDED
 
 
 def update_layout(layout: dtensor.Layout, shape: Sequence[int], axis: str | None) -> dtensor.Layout:

@@ -13,7 +13,8 @@ import tensorflow as tf
 import tf_keras
 from tensorflow.experimental import dtensor
 
-from tfpod import UserError, fused
+from tfpod import UserError
+from tfpod.keras import layers, support
 from tfpod.keras.layout_map import KerasSharding, is_dvariable as _is_dvariable
 
 log = logging.getLogger("tfpod")
@@ -34,7 +35,8 @@ def prepare_compile(model, layout_map: KerasSharding, optimizer, steps_per_execu
             "create every variable in the model's layers inside `with tfpod.sharding(...)`"
         )
     layout_map.check_rules_used()
-    _unfuse_normalization(model)
+    layers.use_mesh_layers(model)
+    support.check(model)  # ops DTensor cannot lay out: one line now, not an MLIR dump at the first step
     if steps_per_execution == "auto":
         raise UserError("steps_per_execution='auto' is not supported with tfpod.sharding: give a number")
     log.info("layouts:\n%s", layout_map.report(f"{model.name} variables"))
@@ -75,27 +77,12 @@ def mesh_metrics(metrics, mesh: dtensor.Mesh):
     return place(metrics)
 
 
-def _unfuse_normalization(model) -> None:
-    """Makes layer and batch normalization use their unfused ops.
-
-    DTensor has no layout propagation for FusedBatchNormV3, which both layers use by
-    default ("'tf.FusedBatchNormV3' op does not implement layout propagation" when
-    the train step compiles); the unfused moments are reductions DTensor handles
-    (over the whole batch when it is sharded: synchronized batch norm). Keras's
-    BatchNormalization trains through `fused.batch_norm` (a hand-written gradient).
-    """
-    from tf_keras.src.layers.normalization import batch_normalization, layer_normalization
-
-    fused.use_batch_norm(model)
-    for layer in model._flatten_layers():
-        if isinstance(layer, layer_normalization.LayerNormalization) and getattr(layer, "_fused", False):
-            layer._fused = False
-        elif isinstance(layer, batch_normalization.BatchNormalizationBase) and getattr(layer, "fused", False):
-            layer.fused = False
-
-
 def mesh_optimizer(optimizer, model, mesh: dtensor.Mesh):
     """The optimizer, on the mesh: tf_keras's DTensor optimizer, or a legacy one with DVariable state.
+
+    Its sparse gradients (an Embedding's IndexedSlices) are made dense before the
+    update (`densify`, applied by the `apply_gradients` hook): DTensor has no layout
+    propagation for the scatter ops of a sparse update (ResourceScatterAdd).
 
     Args:
       optimizer: a name ('adam'), a config dict, a tf_keras optimizer instance
@@ -105,6 +92,17 @@ def mesh_optimizer(optimizer, model, mesh: dtensor.Mesh):
       model: the built model (its trainable variables get the slots).
       mesh: the mesh.
     """
+    optimizer = _on_mesh(optimizer, model, mesh)
+    optimizer._tfpod_dense_gradients = True
+    return optimizer
+
+
+def densify(grads_and_vars) -> list:
+    """(gradient, variable) pairs with IndexedSlices gradients made dense tensors."""
+    return [(tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g, v) for g, v in grads_and_vars]
+
+
+def _on_mesh(optimizer, model, mesh: dtensor.Mesh):
     from tf_keras.src.optimizers import optimizer as new_optimizer
     from tf_keras.src.optimizers.legacy import optimizer_v2
 

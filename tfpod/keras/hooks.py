@@ -15,7 +15,7 @@ import tensorflow as tf
 from tensorflow.experimental import dtensor
 
 from tfpod import UserError
-from tfpod.keras import compile as compile_lib
+from tfpod.keras import compile as compile_lib, support
 from tfpod.keras.layout_map import KerasSharding, get_values, layout_map_lib, set_values
 
 _ONE_STEP = weakref.WeakKeyDictionary()  # model -> {"predict_function"/"test_function": one-step function}
@@ -42,6 +42,8 @@ def install() -> None:
 
     _create_dvariable._tfpod = True
     lib._create_dvariable = _create_dvariable
+    for name in ("_map_subclass_model_variable", "_map_functional_model_variable"):
+        setattr(lib, name, _keeping_weight_order(getattr(lib, name)))
 
     from tf_keras.src.engine import training
 
@@ -99,6 +101,8 @@ def install() -> None:
     #   about 1 run in 12 here), so only training runs steps_per_execution steps per call.
     for method, attr in (("predict", "predict_function"), ("evaluate", "test_function")):
         setattr(training.Model, method, _one_step(getattr(training.Model, method), attr))
+    for method in ("fit", "evaluate", "predict"):  # DTensor's "no layout propagation" as one line
+        setattr(training.Model, method, _translating(getattr(training.Model, method)))
 
     call_fn, build_fn = training.Model.__call__, training.Model.build
 
@@ -110,6 +114,12 @@ def install() -> None:
             # runs the call with the user's inputs on the new DVariables: host tensors
             # must become (replicated) DTensors for that.
             args, kwargs = tf.nest.map_structure(lambda x: _on_mesh(x, layout_map.mesh, self.name), (args, kwargs))
+            if args:
+                support.record_input_spec(self, args[0])  # for compile's trace (tfpod.keras.support)
+            if not _is_functional(self):
+                _build_lazily(self, layout_map, args, kwargs)
+            with dtensor.default_mesh(layout_map.mesh):  # tensors the call makes (an RNN's zero state) on the mesh
+                return call_fn(self, *args, **kwargs)
         return call_fn(self, *args, **kwargs)
 
     @functools.wraps(build_fn)
@@ -140,6 +150,74 @@ def install() -> None:
 
     training.Model.__call__, training.Model.build = __call__, build
 
+    # Optimizers on the mesh take dense gradients (see compile_lib.mesh_optimizer).
+    from tf_keras.src.optimizers import optimizer as new_optimizer
+    from tf_keras.src.optimizers.legacy import optimizer_v2
+
+    for cls in (new_optimizer.Optimizer, optimizer_v2.OptimizerV2):
+        cls.apply_gradients = _dense_gradients(cls.apply_gradients)
+
+
+def _keeping_weight_order(map_variables):
+    """Wraps tf_keras's mapping of a model's lazy variables to DVariables so that every
+    layer keeps its weights in creation order.
+
+    tf_keras assigns the new variables by attribute path in sorted order, and a layer's
+    attribute assignment re-appends the variable to its weight list: a Mean metric's
+    [total, count] became [count, total], so get_weights / set_weights between a sharded
+    and an unsharded model swapped them.
+    """
+
+    @functools.wraps(map_variables)
+    def wrapper(model, layout_map):
+        if not isinstance(layout_map, KerasSharding):
+            return map_variables(model, layout_map)
+        from tf_keras.src.engine import base_layer
+
+        layers = [model] + [o for o in model._flatten(predicate=lambda o: isinstance(o, base_layer.Layer))]
+        before = {(id(layer), attr): (layer, attr, [v.name for v in getattr(layer, attr)])
+                  for layer in layers for attr in ("_trainable_weights", "_non_trainable_weights")}
+        out = map_variables(model, layout_map)
+        for layer, attr, names in before.values():
+            now = getattr(layer, attr)
+            by_name = {v.name: v for v in now}
+            if len(by_name) == len(now) == len(names) and set(names) == set(by_name):
+                now[:] = [by_name[n] for n in names]
+        return out
+
+    return wrapper
+
+
+def _translating(method):
+    """Wraps Model.fit / evaluate / predict: on a sharded model, an op DTensor cannot lay out
+    (found when the step compiles) is one UserError line (`support.translate`)."""
+
+    @functools.wraps(method)
+    def wrapper(self, *args, **kwargs):
+        if not isinstance(getattr(self, "_layout_map", None), KerasSharding):
+            return method(self, *args, **kwargs)
+        try:
+            return method(self, *args, **kwargs)
+        except tf.errors.OpError as e:
+            translated = support.translate(e, self.name)
+            if translated is None:
+                raise
+            raise translated from None
+
+    return wrapper
+
+
+def _dense_gradients(apply_gradients):
+    """Wraps Optimizer.apply_gradients: dense gradients for an optimizer made by mesh_optimizer."""
+
+    @functools.wraps(apply_gradients)
+    def wrapper(self, grads_and_vars, *args, **kwargs):
+        if getattr(self, "_tfpod_dense_gradients", False):
+            grads_and_vars = compile_lib.densify(grads_and_vars)
+        return apply_gradients(self, grads_and_vars, *args, **kwargs)
+
+    return wrapper
+
 
 def _one_step(method, attr: str):
     """Wraps Model.predict / evaluate: on a sharded model, one step per call (see install)."""
@@ -162,6 +240,28 @@ def _one_step(method, attr: str):
             setattr(self, attr, keras_function)
 
     return wrapper
+
+
+def _build_lazily(model, layout_map: KerasSharding, args, kwargs) -> None:
+    """Builds an unbuilt subclassed model with lazy variables, then places them on the mesh.
+
+    What tf_keras's Model.__call__ does for a model with a layout map, except that the
+    symbolic inputs have the real inputs' shapes without the batch dimension and their
+    dtypes: tf_keras made them Input(x.shape), one dimension too many (a Dense-only
+    model did not mind; a GRU or a convolution failed to build).
+    """
+    from tf_keras.src.engine import base_layer, input_layer
+
+    def symbolic(x):
+        if isinstance(x, (tf.Tensor, np.ndarray)):
+            x = tf.convert_to_tensor(x)
+            return input_layer.Input(shape=x.shape[1:], dtype=x.dtype)
+        return x
+
+    inputs, rest, rest_kwargs = model._call_spec.split_out_first_arg(list(args), dict(kwargs))
+    with layout_map_lib().layout_map_scope(layout_map):
+        base_layer.Layer.__call__(model, tf.nest.map_structure(symbolic, inputs), *rest, **rest_kwargs)
+    layout_map_lib()._map_subclass_model_variable(model, layout_map)
 
 
 def _is_functional(model) -> bool:

@@ -108,6 +108,9 @@ class KerasSharding(layout_map_lib().LayoutMap):
             for a in r.axes:
                 if a is not None and a not in shardinglib.LOGICAL_AXES:
                     self.table[a] = a
+        shardinglib.check_mesh_axes(mesh, self.table, preset=preset,
+                                    fix="name it in a rule (e.g. rules={'dense\\.kernel': (None, '<axis>')}) or in "
+                                        "overrides=")
         self.cover_all = cover_all
         self.specs: dict[str, shardinglib.VarSpec] = {}
         self.layouts: dict[str, dtensor.Layout] = {}

@@ -1,0 +1,131 @@
+"""Keras layers whose TensorFlow kernels DTensor cannot lay out, and their stand-ins.
+
+`use_mesh_layers(model)` (called by compile on the mesh) changes the class of every
+layer listed in `STAND_INS` to a subclass that computes the same function with ops
+DTensor can lay out. Weights, names, configs and checkpoints stay the same; a
+subclass of one of these layers written by a user is left as it is (the compile-time
+trace, `tfpod.keras.support`, names it if it still uses an unsupported kernel).
+
+  BatchNormalization   FusedBatchNormV3 and its gradient: trains through
+                       `tfpod.fused.batch_norm` (fused.BatchNormalization)
+  LayerNormalization   its fused kernel: Keras's unfused form
+  DepthwiseConv1D/2D,  the two gradient kernels of DepthwiseConv2dNative: the forward
+  SeparableConv1D/2D   kernel with `tfpod.fused.depthwise_conv2d`'s gradient
+  Embedding            with its table's rows split over a mesh axis (DTensor's gather
+                       needs whole rows): a one-hot matmul; Model Garden's
+                       OnDeviceEmbedding is switched to its own one-hot mode
+
+Every Embedding's sparse gradient is made dense before the optimizer (DTensor cannot
+lay out the scatter of a sparse update): see `tfpod.keras.compile.mesh_optimizer`.
+"""
+
+from __future__ import annotations
+
+import tensorflow as tf
+import tf_keras
+
+from tfpod import fused, sharding
+
+
+def _depthwise_call(layer, inputs, kernel, strides, dilations, pointwise=None, one_d=False):
+    """The depthwise (then pointwise) convolution of a Keras conv layer, bias and activation."""
+    x = inputs
+    if layer.padding == "causal":
+        x = tf.pad(x, layer._compute_causal_padding(x))
+    first = layer.data_format == "channels_first"
+    if one_d:  # [batch, steps, channels] -> [batch, 1, steps, channels], as Keras does
+        x = tf.expand_dims(x, 2 if first else 1)
+        kernel = tf.expand_dims(kernel, 0)  # not kernel[None]: DTensor mis-expands a new-axis slice
+        pointwise = None if pointwise is None else tf.expand_dims(pointwise, 0)
+        strides, dilations = (1,) + tuple(strides), (1,) + tuple(dilations)
+    if first:
+        x = tf.transpose(x, [0, 2, 3, 1])
+    padding = "VALID" if layer.padding == "causal" else layer.padding
+    y = fused.depthwise_conv2d(x, kernel, strides, padding, dilations)
+    if pointwise is not None:
+        y = tf.nn.conv2d(y, pointwise, 1, "VALID")
+    if layer.use_bias:
+        y = tf.nn.bias_add(y, layer.bias)
+    if first:
+        y = tf.transpose(y, [0, 3, 1, 2])
+    if one_d:
+        y = tf.squeeze(y, [2 if first else 1])
+    return layer.activation(y) if layer.activation is not None else y
+
+
+@tf_keras.saving.register_keras_serializable(package="tfpod")
+class DepthwiseConv2D(tf_keras.layers.DepthwiseConv2D):
+    """Keras's DepthwiseConv2D with `fused.depthwise_conv2d` (a gradient DTensor can lay out)."""
+
+    def call(self, inputs):
+        return _depthwise_call(self, inputs, self.depthwise_kernel, self.strides, self.dilation_rate)
+
+
+@tf_keras.saving.register_keras_serializable(package="tfpod")
+class DepthwiseConv1D(tf_keras.layers.DepthwiseConv1D):
+    """Keras's DepthwiseConv1D with `fused.depthwise_conv2d`."""
+
+    def call(self, inputs):
+        return _depthwise_call(self, inputs, self.depthwise_kernel, self.strides, self.dilation_rate, one_d=True)
+
+
+@tf_keras.saving.register_keras_serializable(package="tfpod")
+class SeparableConv2D(tf_keras.layers.SeparableConv2D):
+    """Keras's SeparableConv2D: `fused.depthwise_conv2d`, then the 1x1 pointwise convolution."""
+
+    def call(self, inputs):
+        return _depthwise_call(self, inputs, self.depthwise_kernel, self.strides, self.dilation_rate,
+                               pointwise=self.pointwise_kernel)
+
+
+@tf_keras.saving.register_keras_serializable(package="tfpod")
+class SeparableConv1D(tf_keras.layers.SeparableConv1D):
+    """Keras's SeparableConv1D: `fused.depthwise_conv2d`, then the pointwise convolution."""
+
+    def call(self, inputs):
+        return _depthwise_call(self, inputs, self.depthwise_kernel, self.strides, self.dilation_rate,
+                               pointwise=self.pointwise_kernel, one_d=True)
+
+
+@tf_keras.saving.register_keras_serializable(package="tfpod")
+class OneHotEmbedding(tf_keras.layers.Embedding):
+    """Keras's Embedding as a one-hot matmul, for a table whose vocab rows are split over a mesh axis."""
+
+    def call(self, inputs):
+        ids = tf.cast(inputs, tf.int32)
+        one_hot = tf.one_hot(tf.reshape(ids, [-1]), self.input_dim, dtype=self.embeddings.dtype)  # [ids, vocab]
+        out = tf.matmul(one_hot, self.embeddings)  # [ids, output_dim]
+        out = tf.reshape(out, [d if d is not None else -1 for d in ids.shape] + [self.output_dim])
+        return tf.cast(out, self.compute_dtype)
+
+
+STAND_INS = {
+    tf_keras.layers.DepthwiseConv2D: DepthwiseConv2D,
+    tf_keras.layers.DepthwiseConv1D: DepthwiseConv1D,
+    tf_keras.layers.SeparableConv2D: SeparableConv2D,
+    tf_keras.layers.SeparableConv1D: SeparableConv1D,
+}
+
+
+def use_mesh_layers(model: tf_keras.layers.Layer) -> list[str]:
+    """Swaps, inside `model`, every layer DTensor cannot run for its stand-in (see the module
+    docstring); call it before the train step is traced. Returns the swapped layers' names."""
+    from tf_keras.src.layers.normalization import batch_normalization, layer_normalization
+
+    swapped = []
+    fused.use_batch_norm(model)  # Keras's own BatchNormalization class
+    for layer in model._flatten_layers():
+        stand_in = STAND_INS.get(type(layer))
+        if stand_in is not None:
+            layer.__class__ = stand_in
+            swapped.append(layer.name)
+        elif type(layer) is tf_keras.layers.Embedding and sharding.rows_split(layer.embeddings):
+            layer.__class__ = OneHotEmbedding
+            swapped.append(layer.name)
+        elif type(layer).__name__ == "OnDeviceEmbedding" and sharding.rows_split(layer.embeddings):
+            layer._use_one_hot = True  # Model Garden's own one-hot lookup
+        elif isinstance(layer, layer_normalization.LayerNormalization) and getattr(layer, "_fused", False):
+            layer._fused = False
+        elif isinstance(layer, batch_normalization.BatchNormalizationBase) and getattr(layer, "fused", False):
+            layer.fused = False  # subclasses (SyncBatchNormalization): Keras's unfused ops
+    return swapped
