@@ -343,8 +343,12 @@ def bert_input(cfg: BertDataConfig, model_config, num_hosts: int, host_id: int, 
             return lambda host_rows: records_dataset(cfg, files, model_config, host_rows, num_hosts, host_id, seed,
                                                      repeat)
 
+    derived = dict(seq_len=model_config.seq_len, max_predictions=model_config.max_predictions)
+    if cfg.masked_online:
+        derived["vocab"] = pipeline.file_identity(where.vocab_path)
     return pipeline.TaskInput(
         train=dataset(train, True),
         eval=dataset(evals, False) if evals else None,
         find_corrupt=lambda: pipeline.find_corrupt(files_lib.plan(train, num_hosts, host_id, seed).files),
+        source=pipeline.stream_source(cfg, "bert_data", train, num_hosts, host_id, seed, **derived),
     )

@@ -46,7 +46,7 @@ import tensorflow as tf
 
 from tfpod import UserError
 from tfpod.input import files as files_lib
-from tfpod.input.pipeline import TaskInput, find_corrupt
+from tfpod.input.pipeline import TaskInput, find_corrupt, stream_source
 from tfpod.input.prepare import cache_lock, demo_cli, staged  # one cache lock and staging for every prepared data set
 
 log = logging.getLogger("tfpod")
@@ -301,6 +301,8 @@ def image_input(cfg: ImageDataConfig, model_config, num_hosts: int, host_id: int
         train=dataset(train, True),
         eval=dataset(evals, False) if evals else None,
         find_corrupt=lambda: find_corrupt(files_lib.plan(train, num_hosts, host_id, seed).files),
+        source=stream_source(cfg, "image_data", train, num_hosts, host_id, seed, image_size=model_config.image_size,
+                             num_classes=model_config.num_classes),
     )
 
 

@@ -17,6 +17,7 @@ the workers. A service-fed iterator cannot be checkpointed, so resume is not exa
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import os
 from typing import Callable
@@ -252,12 +253,39 @@ class TaskInput:
         None (to name it in errors).
       checkpointable: whether the training iterator can be checkpointed (not when fed
         by the tf.data service).
+      source: what the training stream is built from (`stream_source`): a resumed run
+        restores the saved input position only when it is the same.
     """
 
     train: Callable[[int], tf.data.Dataset]
     eval: Callable[[int], tf.data.Dataset] | None
     find_corrupt: Callable[[], str | None]
     checkpointable: bool = True
+    source: dict = dataclasses.field(default_factory=dict)
+
+
+_NOT_STREAM = ("data_dir", "service_address")  # where data is prepared or served, not what it is
+
+
+def stream_source(cfg, name: str, pattern: str, num_hosts: int, host_id: int, seed: int, **derived) -> dict:
+    """What one host's training stream is built from, as JSON-able values.
+
+    Every field of the data config `cfg` (gin `name.*`) but the eval split's and
+    `_NOT_STREAM`, this host's training files with their sizes, and `derived` values
+    (the row length, the vocabulary file and its size, ...). The trainer saves it
+    beside each input position; a different source at resume means the saved position
+    describes other data (checkpoint.InputCheckpoint).
+    """
+    fields = {f"{name}.{f.name}": getattr(cfg, f.name) for f in dataclasses.fields(cfg)
+              if "eval" not in f.name and f.name not in _NOT_STREAM}
+    files = files_lib.plan(pattern, num_hosts, host_id, seed).files
+    out = {**fields, "files": [[f, tf.io.gfile.stat(f).length] for f in files], **derived}
+    return json.loads(json.dumps(out, default=str))  # tuples as lists, as they come back from JSON
+
+
+def file_identity(path: str) -> list:
+    """[path, size]: a vocabulary or other side file as a stream source records it."""
+    return [path, tf.io.gfile.stat(path).length if tf.io.gfile.exists(path) else None]
 
 
 def lm_input(cfg: LMDataConfig, model_config, num_hosts: int, host_id: int, seed: int) -> TaskInput:
@@ -274,4 +302,6 @@ def lm_input(cfg: LMDataConfig, model_config, num_hosts: int, host_id: int, seed
         eval=dataset(where.eval_files, False) if where.eval_files else None,
         find_corrupt=lambda: find_corrupt(files_lib.plan(where.train_files, num_hosts, host_id, seed).files),
         checkpointable=not cfg.service_address,
+        source=stream_source(cfg, "lm_data", where.train_files, num_hosts, host_id, seed, seq_len=seq_len,
+                             vocab=file_identity(where.vocab_path)),
     )

@@ -412,6 +412,9 @@ def translation_input(cfg: TranslationDataConfig, model_config, num_hosts: int, 
         train=dataset(train, True),
         eval=dataset(evals, False) if evals else None,
         find_corrupt=lambda: pipeline.find_corrupt(files_lib.plan(train, num_hosts, host_id, seed).files),
+        source=pipeline.stream_source(cfg, "translation_data", train, num_hosts, host_id, seed,
+                                      src_len=model_config.src_len, tgt_len=model_config.tgt_len,
+                                      vocab=pipeline.file_identity(vocab_path)),
     )
 
 

@@ -1,5 +1,6 @@
 """Host input: per-host file splitting, the prepared corpus, the LM pipeline, resume, bad input."""
 
+import dataclasses
 import itertools
 import logging
 import os
@@ -169,3 +170,58 @@ def test_trains_through_the_tf_data_service(tmp_path, corpus):
     out = _small_run(tmp_path, 4, [f"lm_data.service_address='{dispatcher.target}'"])
     assert len(out["losses"]) == 4 and np.all(np.isfinite(out["losses"]))
     del worker
+
+
+def test_a_changed_input_starts_over_with_a_warning_or_is_refused_when_strict(tmp_path, corpus, caplog):
+    """Resuming with other data used to replay the old corpus's saved position (a changed
+    train_files) or die in tf.data (a changed format: 'Failed to restore dataset iterator').
+    The position is restored only into the input it was saved with; otherwise the new input
+    starts from its beginning with one warning, or, with train.strict_resume, the run stops."""
+    d = tmp_path / "run"
+    _small_run(d, 2)  # the default corpus (TFRecords); checkpoint 2 holds its input position
+    texts = tmp_path / "texts"
+    texts.mkdir()
+    for i in range(3):
+        (texts / f"doc{i}.txt").write_text("".join(f"def f{j}(x):\n    return x * {i + j}\n" for j in range(300)))
+    new = [f"lm_data.train_files='{texts}/*.txt'", "lm_data.format='text'"]
+    with caplog.at_level(logging.WARNING, logger="tfpod"):
+        out = _small_run(d, 4, new)
+    assert out["step"] == 4 and np.all(np.isfinite(out["losses"]))
+    assert "the input changed since checkpoint step 2 (this host's files: 32 gone (e.g. train-" in caplog.text
+    assert "3 new (e.g. doc0.txt); lm_data.format: 'auto' -> 'text'; lm_data.train_files: None -> " in caplog.text
+    assert "the input starts from its beginning at step 2" in caplog.text
+    # The position saved at step 4 is two batches into the new input: it started from its beginning.
+    cfg = pipeline.LMDataConfig(train_files=f"{texts}/*.txt", format="text")
+    fresh = lambda: pipeline.lm_dataset(cfg, cfg.train_files, prepare.vocab_path(corpus, 2048), 64, 8, 1, 0, 0, 2048)
+    expected = first(fresh(), 3)[2]
+    iterator = iter(fresh())
+    tf.train.Checkpoint(iterator=iterator).restore(str(d / "checkpoints" / "input-host0" / "ckpt-4")).expect_partial()
+    np.testing.assert_array_equal(next(iterator)["inputs"].numpy(), expected["inputs"])
+    assert (d / "checkpoints" / "input-host0" / "ckpt-4.source.json").exists()
+
+    config = (d / "config.gin").read_text()
+    with pytest.raises(UserError) as e:
+        _small_run(d, 6, new + ["lm_data.shuffle_buffer=512", "train.strict_resume=True"])
+    assert str(e.value).startswith("the input changed since checkpoint step 4 (lm_data.shuffle_buffer: 1024 -> 512): "
+                                   "train.strict_resume=True will not start the input over") and "\n" not in str(e.value)
+    assert (d / "config.gin").read_text() == config  # the failed run's config did not replace it
+
+    # A checkpoint without its source (an older tfpod's) whose position does not fit the pipeline.
+    os.remove(d / "checkpoints" / "input-host0" / "ckpt-4.source.json")
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="tfpod"):
+        assert _small_run(d, 6)["step"] == 6  # back on the default corpus
+    assert "the input position saved at step 4 does not fit this input pipeline (" in caplog.text
+
+
+def test_every_task_records_what_its_input_is_built_from():
+    from tfpod.models import TASKS
+
+    for name in ("gpt", "bert", "resnet", "transformer"):
+        task = TASKS[name]
+        data, model = task.DataConfig(), task.Config()
+        source = task.make_input(data, model, 1, 0, 0).source
+        assert source["files"] and all(size > 0 for _, size in source["files"]), name
+        first_field = next(f.name for f in dataclasses.fields(data) if "eval" not in f.name)
+        assert f"{task.DATA}.{first_field}" in source, name
+        assert not any("eval" in k for k in source), name

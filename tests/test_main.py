@@ -8,7 +8,8 @@ import sys
 import pytest
 
 from tfpod import UserError
-from tfpod.main import resolve_gin_file, run
+from tfpod.config import resolve_gin_file
+from tfpod.main import run
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -56,7 +56,7 @@ def test_two_hosts_match_one_process_and_only_host0_writes(tmp_path):
     # The 2-host checkpoint restores in one process, on another mesh and preset, with identical values.
     from test_reliability import assert_restores_identically
     from tfpod import sharding
-    from tfpod.main import _build_config, build_task_configs, parse_config
+    from tfpod.config import build_config as _build_config, build_task_configs, parse_config
     from tfpod.mesh import make_mesh
     from tfpod.trainer import Trainer
 

@@ -182,12 +182,15 @@ def assert_restores_identically(trainer: Trainer, path: str) -> None:
 
 
 class PoisonedBatches:
-    """gpt whose loss is NaN on given synthetic batches (by batch index: a bad batch, not a bad step)."""
+    """gpt whose loss is NaN on given synthetic batches (by batch index: a bad batch, not a bad step);
+    with gradient=True the loss stays finite and the gradient is NaN instead (the issue's lr=1e9 run:
+    loss 6.5e18, gradient norm NaN)."""
 
-    def __init__(self, batch_indices, seed=1):
+    def __init__(self, batch_indices, seed=1, gradient=False):
         cfg = gpt.GPTConfig(**SMALL)
         self.sums = [int(gpt.synthetic_batch(cfg, 16, np.random.default_rng([seed, i]))["inputs"].astype(np.int64).sum())
                      for i in batch_indices]
+        self.gradient = gradient
 
     def __getattr__(self, name):
         return getattr(gpt, name)
@@ -196,40 +199,84 @@ class PoisonedBatches:
         loss, metrics = gpt.loss_and_metrics(model, batch, training)
         total = tf.reduce_sum(tf.cast(batch["inputs"], tf.int64))
         bad = tf.reduce_any(tf.equal(total, tf.constant(self.sums, tf.int64)))
-        return loss + tf.where(bad, float("nan"), 0.0), metrics
+        if not self.gradient:
+            return loss + tf.where(bad, float("nan"), 0.0), metrics
+
+        @tf.custom_gradient
+        def poison(x):  # 0 forward; NaN gradient on a bad batch
+            return tf.reduce_sum(x) * 0.0, lambda dy: tf.ones_like(x) * tf.where(bad, float("nan"), 0.0)
+
+        return loss + poison(model.final_norm.gamma), metrics
 
 
-def test_nan_loss_stops_skips_or_rolls_back_and_checkpoints_move_between_meshes(tmp_path, caplog):
+def test_nonfinite_steps_never_reach_the_weights_or_a_checkpoint(tmp_path, caplog):
+    """A step whose loss or gradient norm is NaN is never applied, whatever the policy; no checkpoint
+    is written of NaN state, and a checkpoint holding NaN (an older version's) is never resumed."""
     kw = dict(mesh_spec="data:8", preset="data", steps=6, steps_per_loop=1, log_every=1, checkpoint_every=2)
-    # stop (the default): the run ends naming the step; the checkpoint before it is intact.
+    # stop (the default): the run ends naming the step and the newest checkpoint, which is finite.
     with pytest.raises(UserError) as e:
-        train(tmp_path / "stop", task=PoisonedBatches([2]), **kw).train()  # batch 2 feeds step 3
-    assert str(e.value).startswith("loss became nan at step 3: ") and "train.on_nonfinite" in str(e.value)
-    assert "ckpt-2 are intact" in str(e.value) and "\n" not in str(e.value)
+        stopped = train(tmp_path / "stop", task=PoisonedBatches([2]), **kw)  # batch 2 feeds step 3
+        stopped.train()
+    newest = str(tmp_path / "stop" / "checkpoints" / "ckpt-2")
+    assert str(e.value).startswith("loss became nan at step 3: its update was not applied; ") and "\n" not in str(e.value)
+    assert f"the newest checkpoint, {newest}, holds finite values" in str(e.value)
+    with pytest.raises(UserError) as e:  # the loss finite, the gradient NaN: stopped all the same
+        train(tmp_path / "stop_grad", task=PoisonedBatches([2], gradient=True), **kw).train()
+    assert str(e.value).startswith("gradient norm became nan at step 3 (loss ")
+    assert glob.glob(str(tmp_path / "stop_grad" / "checkpoints" / "ckpt-*.index")) == [
+        str(tmp_path / "stop_grad" / "checkpoints" / "ckpt-2.index")]
+    assert all(np.isfinite(v).all() for v in checkpoint_values(str(tmp_path / "stop_grad" / "checkpoints" / "ckpt-2")).values())
+
+    # No checkpoint of NaN weights; one written by an older version is moved aside at resume.
+    weight = stopped.model.final_norm.gamma
+    weight.assign(dtensor.relayout(weight.read_value() * float("nan"), dtensor.fetch_layout(weight)))
+    with pytest.raises(checkpoint.NonfiniteState) as e:
+        stopped.checkpoints.save()
+    assert "hold NaN or Inf (model/final_norm/gamma)" in str(e.value)
+    stopped.step_var.assign_add(1)
+    stopped.checkpoints._manager.save(checkpoint_number=3)  # as tfpod before this check did
+    with caplog.at_level(logging.WARNING, logger="tfpod"):
+        assert train(tmp_path / "stop", **kw).checkpoints.restore_latest() == 2
+    assert "ckpt-3 holds non-finite values (model/final_norm/gamma): moved it to" in caplog.text
+    assert glob.glob(newest[:-1] + "3.nonfinite.0.index")
 
     # That data:8 checkpoint restores on data:2,model:4 under the tensor preset with identical values.
     moved = train(tmp_path / "stop", mesh_spec="data:2,model:4", preset="tensor", steps=6)
     assert moved.checkpoints.restore_latest() == 2
     assert dtensor.fetch_layout(moved.model.blocks[0].intermediate.kernel).sharding_specs == [
         dtensor.UNSHARDED, "model"]
-    assert_restores_identically(moved, str(tmp_path / "stop" / "checkpoints" / "ckpt-2"))
+    assert_restores_identically(moved, newest)
 
-    # skip: the update of a NaN step is dropped; too many in a row stop the run.
-    with caplog.at_level(logging.WARNING, logger="tfpod"), pytest.raises(UserError) as e:
-        train(tmp_path / "skip", task=PoisonedBatches([2, 4, 5]), on_nonfinite="skip", max_nonfinite=1, **kw).train()
-    assert "loss became nan at step 3: skipped its update" in caplog.text
-    assert str(e.value).startswith("loss became nan at step 6 after skipping 1 steps in a row")
-    losses = logged_losses(tmp_path / "skip")
-    assert np.isfinite(losses[4]) and np.isnan(losses[3])  # step 4 trained on unharmed weights
-
-    # rollback: back to the last checkpoint, on with the next batches.
+    # skip: NaN gradients at steps 3-5 are skipped and logged; their checkpoints wait for a step that
+    # trains, so ckpt-2 is not rotated out; a fourth in a row would stop the run.
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="tfpod"):
-        trainer = train(tmp_path / "back", task=PoisonedBatches([2]), on_nonfinite="rollback", **kw)
+        skipper = train(tmp_path / "skip", task=PoisonedBatches([2, 3, 4], gradient=True), on_nonfinite="skip",
+                        keep_checkpoints=2, **kw)
+        out = skipper.train()
+    assert "gradient norm became nan at step 3" in caplog.text and "skipped its update" in caplog.text
+    assert "(train.on_nonfinite='skip', 3 in a row, at most 3)" in caplog.text
+    assert out["step"] == 6 and all(np.isfinite(out["losses"]))
+    kept = sorted(os.path.basename(p) for p in glob.glob(str(tmp_path / "skip" / "checkpoints" / "ckpt-*.index")))
+    assert kept == ["ckpt-2.index", "ckpt-6.index"]  # ckpt-4 was deferred; the last step trained and saved
+    records = [json.loads(line) for line in open(tmp_path / "skip" / "metrics.jsonl")]
+    assert [r["skipped_steps"] for r in records if r["kind"] == "train"] == [0, 0, 1, 1, 1, 0]
+    with pytest.raises(UserError) as e:
+        train(tmp_path / "skip4", task=PoisonedBatches([2, 3, 4], gradient=True), on_nonfinite="skip",
+              max_nonfinite=2, **kw).train()
+    assert str(e.value).startswith("gradient norm became nan at step 5 (loss ") and "after skipping 2 steps in a row" in str(
+        e.value)
+
+    # rollback: back to the newest (finite) checkpoint, on with the next batches.
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="tfpod"):
+        trainer = train(tmp_path / "back", task=PoisonedBatches([2], gradient=True), on_nonfinite="rollback", **kw)
         out = trainer.train()
-    assert "loss became nan at step 3: rolled back to the checkpoint of step 2" in caplog.text
+    assert "gradient norm became nan at step 3 (loss " in caplog.text and "rolled back to the checkpoint of step 2" in caplog.text
     assert out["step"] == 6 and len(out["losses"]) == 6 and np.all(np.isfinite(out["losses"]))
-    assert int(trainer.step_var.numpy()) == 6
+    for step in (2, 4, 6):
+        values = checkpoint_values(str(tmp_path / "back" / "checkpoints" / f"ckpt-{step}"))
+        assert all(np.isfinite(v).all() for v in values.values() if v.dtype.kind == "f")
 
 
 # -- bad input ------------------------------------------------------------------------------

@@ -99,7 +99,7 @@ def test_config_errors_are_one_line(tmp_path):
 def test_reference_config_is_the_mlperf_recipe():
     import gin
 
-    from tfpod.main import parse_config
+    from tfpod.config import parse_config
 
     parse_config(["gin/resnet50.gin"], [])
     q = gin.query_parameter

@@ -160,7 +160,7 @@ def test_golden_layouts(tmp_path, model, preset, spec):
     Regenerate with TFPOD_UPDATE_GOLDEN=1 after a deliberate change.
     """
     from tfpod import optimizers
-    from tfpod.main import parse_config, _build_config
+    from tfpod.config import parse_config, build_config as _build_config
     from tfpod.models import get_task
     from tfpod.trainer import TrainConfig, Trainer
 

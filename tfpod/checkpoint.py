@@ -17,21 +17,27 @@ renames them, and the `checkpoint` state file last. A checkpoint missing a data 
 is skipped (`complete_steps`); one whose files fail their checksums is reported, moved
 aside and the one before it used (`CheckpointManager.restore_latest`).
 
+No checkpoint is written of non-finite state: `save` first checks every weight and
+optimizer slot for NaN and Inf (`NonfiniteState`), so the newest checkpoint is always
+one a run can go on from, and keeping the newest `keep` never drops the last finite one.
+
 `Preemption` turns SIGTERM into "finish this step, save, exit 0", agreed by all hosts.
 """
 
 from __future__ import annotations
 
 import functools
+import json
 import logging
 import os
 import signal
 import zlib
 
+import numpy as np
 import tensorflow as tf
 from tensorflow.experimental import dtensor
 
-from tfpod import UserError
+from tfpod import UserError, runtime
 
 log = logging.getLogger("tfpod")
 
@@ -64,10 +70,13 @@ class CheckpointManager:
         self._step = step
         self._ckpt = tf.train.Checkpoint(**trackables)
         self._manager = tf.train.CheckpointManager(self._ckpt, self.directory, max_to_keep=keep, step_counter=step)
+        self._finite_counts, self._keys = None, []  # the compiled check of `nonfinite`, made at its first use
 
     @property
     def latest(self) -> str | None:
-        return self._manager.latest_checkpoint
+        """The newest complete checkpoint on disk (never one moved aside or left partial)."""
+        steps = self.complete_steps()
+        return os.path.join(self.directory, f"ckpt-{steps[-1]}") if steps else None
 
     def complete_steps(self) -> list[int]:
         return complete_steps(self.directory)
@@ -99,7 +108,9 @@ class CheckpointManager:
 
         A checkpoint missing data shards (a host stopped while saving) is skipped; one whose
         files fail to read (checksum mismatch, truncated) is moved aside to
-        `ckpt-N.corrupt.*`, so that no later save writes over it, and the one before it is used.
+        `ckpt-N.corrupt.*`, and one holding a NaN or Inf (tfpod writes none; an older
+        version could) to `ckpt-N.nonfinite.*`, so that no later save writes over them,
+        and the one before is used.
         """
         steps = self.complete_steps()
         latest = self._manager.latest_checkpoint
@@ -114,6 +125,11 @@ class CheckpointManager:
             path = os.path.join(self.directory, f"ckpt-{step}")
             try:
                 verify(path)
+            except NonfiniteCheckpoint as e:  # written by an older tfpod, or by hand: never resumed from
+                moved = quarantine(path, "nonfinite") if dtensor.client_id() == 0 else "*.nonfinite.* by host 0"
+                log.warning("checkpoint %s holds non-finite values (%s): moved it to %s; trying the one before it",
+                            path, e, moved)
+                continue
             except (tf.errors.OpError, RuntimeError) as e:
                 # every host finds the same files corrupt; host 0 alone moves them
                 moved = quarantine(path) if dtensor.client_id() == 0 else "*.corrupt.* by host 0"
@@ -124,14 +140,75 @@ class CheckpointManager:
             restored = int(self._step.numpy())
             log.info("resumed from %s at step %d", path, restored)
             return restored
-        raise UserError(f"every checkpoint in {self.directory} is corrupt (moved aside as *.corrupt.*): "
-                        "restore the folder from a backup, or start a new --model_dir")
+        raise UserError(f"every checkpoint in {self.directory} is corrupt or non-finite (moved aside as "
+                        "*.corrupt.* or *.nonfinite.*): restore the folder from a backup, or start a new --model_dir")
 
-    def save(self) -> str:
+    def nonfinite(self) -> list[str]:
+        """The saved variables (weights, optimizer slots) holding a NaN or Inf now, by checkpoint key.
+
+        One compiled pass over the state (each variable's count of non-finite values,
+        reduced over the mesh), so every host gets the same answer.
+        """
+        if self._finite_counts is None:
+            keyed = [(k, v) for k, v in variables_by_key(self._ckpt).items() if v.dtype.is_floating]
+            self._keys = [k for k, _ in keyed]
+            values = [v for _, v in keyed]
+            self._finite_counts = tf.function(lambda: tf.stack(
+                [tf.reduce_sum(tf.cast(tf.logical_not(tf.math.is_finite(v)), tf.float32)) for v in values]))
+        counts = runtime.to_host(self._finite_counts())
+        return [self._keys[i].split("/.ATTRIBUTES")[0] for i in np.flatnonzero(counts)]
+
+    def check_finite(self) -> None:
+        """Raises NonfiniteState when any saved variable holds a NaN or Inf (see `nonfinite`)."""
+        bad = self.nonfinite()
+        if bad:
+            raise NonfiniteState(int(self._step.numpy()), bad, self.latest)
+
+    def save(self, checked: bool = False) -> str:
+        """Writes a checkpoint of the current step, never of non-finite state (NonfiniteState).
+
+        Args:
+          checked: the caller ran `check_finite` since the last update.
+        """
+        if not checked:
+            self.check_finite()
         step = int(self._step.numpy())
         path = self._manager.save(checkpoint_number=step)
         log.info("saved checkpoint %s", path)
         return path
+
+
+class NonfiniteState(UserError):
+    """The training state holds a NaN or Inf, so no checkpoint is written of it."""
+
+    def __init__(self, step: int, variables: list[str], newest: str | None):
+        self.step, self.variables, self.newest = step, variables, newest
+        names = ", ".join(variables[:3]) + (f" and {len(variables) - 3} more" if len(variables) > 3 else "")
+        super().__init__(
+            f"the weights or optimizer state at step {step} hold NaN or Inf ({names}): no checkpoint is written "
+            f"of them; {newest_checkpoint(newest)}: lower optimizer.learning_rate, raise optimizer.warmup_steps "
+            "or set optimizer.clip_norm"
+        )
+
+
+def newest_checkpoint(path: str | None) -> str:
+    """Says which checkpoint a rerun resumes from (every checkpoint tfpod writes holds finite values)."""
+    if path is None:
+        return "no checkpoint was written yet"
+    return f"the newest checkpoint, {path}, holds finite values and a rerun resumes from it"
+
+
+class NonfiniteCheckpoint(ValueError):
+    """A checkpoint on disk holds a NaN or Inf."""
+
+
+def write_atomically(path: str, text: str) -> None:
+    """Writes `text` to `path` through a temporary file renamed into place: a reader (or a
+    crash) sees the old file or the new one, never a part."""
+    tmp = f"{path}.tmp-{os.getpid()}"
+    with open(tmp, "w") as f:
+        f.write(text)
+    os.replace(tmp, path)
 
 
 def first_line(e: BaseException) -> str:
@@ -141,27 +218,30 @@ def first_line(e: BaseException) -> str:
 
 
 def verify(path: str) -> None:
-    """Reads every tensor of checkpoint `path` on the host, checking each one's checksum.
+    """Reads every tensor of checkpoint `path` on the host, checking each one's checksum and values.
 
     A failed read inside the sharded restore would poison the eager executor, so the
     files are checked first, without the mesh, one tensor at a time.
 
     Raises:
       tf.errors.OpError: a file is corrupt or truncated (a checksum or the format fails).
+      NonfiniteCheckpoint: a tensor holds a NaN or Inf (names the first).
     """
     reader = tf.train.load_checkpoint(path)
-    for key in reader.get_variable_to_shape_map():
-        reader.get_tensor(key)
+    for key in sorted(reader.get_variable_to_shape_map()):
+        value = reader.get_tensor(key)
+        if isinstance(value, np.ndarray) and np.issubdtype(value.dtype, np.floating) and not np.isfinite(value).all():
+            raise NonfiniteCheckpoint(key.split("/.ATTRIBUTES")[0])
 
 
-def quarantine(path: str) -> str:
-    """Renames checkpoint `path`'s files to `path.corrupt.<n>...`; returns the new prefix."""
+def quarantine(path: str, kind: str = "corrupt") -> str:
+    """Renames checkpoint `path`'s files to `path.<kind>.<n>...`; returns the new prefix."""
     n = 0
-    while tf.io.gfile.glob(f"{path}.corrupt.{n}*"):
+    while tf.io.gfile.glob(f"{path}.{kind}.{n}*"):
         n += 1
-    target = f"{path}.corrupt.{n}"
+    target = f"{path}.{kind}.{n}"
     for f in tf.io.gfile.glob(path + ".*"):
-        if ".corrupt." not in f:
+        if ".corrupt." not in f and ".nonfinite." not in f:
             tf.io.gfile.rename(f, target + f[len(path):])
     return target
 
@@ -345,23 +425,90 @@ class InputCheckpoint:
     keeps its own small checkpoint in model_dir/checkpoints/input-host<h>/, numbered by
     the same step as the model checkpoint it belongs to. It is written before the model
     checkpoint, so the newest model checkpoint always has its input position.
+
+    Beside each one, `ckpt-<step>.source.json` records what the input was built from
+    (the data config, this host's files and their sizes, the row length, vocabulary,
+    batch rows, seed and host count). A position is restored only into the same input:
+    a changed file, format or batch would otherwise go on feeding the old data (the
+    position replays the old stream) or fail deep inside tf.data.
     """
 
-    def __init__(self, model_dir: str, host_id: int, iterator, keep: int = 3):
+    def __init__(self, model_dir: str, host_id: int, iterator, keep: int = 3, source: dict | None = None):
         self.directory = os.path.join(model_dir, "checkpoints", f"input-host{host_id}")
+        self.source = source
         self._ckpt = tf.train.Checkpoint(iterator=iterator)
         self._manager = tf.train.CheckpointManager(self._ckpt, self.directory, max_to_keep=keep)
 
     def save(self, step: int) -> None:
+        if self.source is not None:  # first: the position never exists without what it describes
+            os.makedirs(self.directory, exist_ok=True)
+            write_atomically(self._source_path(step), json.dumps(self.source, indent=1, sort_keys=True))
         self._manager.save(checkpoint_number=step)
+        kept = {os.path.basename(p) for p in self._manager.checkpoints}
+        for f in tf.io.gfile.glob(os.path.join(self.directory, "ckpt-*.source.json")):
+            if os.path.basename(f)[: -len(".source.json")] not in kept:
+                tf.io.gfile.remove(f)
 
-    def restore(self, step: int) -> None:
-        """Restores the position saved with the model checkpoint of `step`."""
+    def _source_path(self, step: int) -> str:
+        return os.path.join(self.directory, f"ckpt-{step}.source.json")
+
+    def restore(self, step: int, strict: bool = False) -> str:
+        """Restores the position saved with the model checkpoint of `step`, if it fits this input.
+
+        Returns:
+          "restored"; "skipped" (no position was saved, or the input changed: the iterator
+          is untouched, at the input's beginning); or "failed" (tf.data could not restore it
+          into this pipeline: the caller starts over with a new dataset). A warning says
+          why it was not restored.
+
+        Raises:
+          UserError: with `strict` (train.strict_resume), instead of starting over.
+        """
         path = os.path.join(self.directory, f"ckpt-{step}")
         if not tf.io.gfile.exists(path + ".index"):
-            raise UserError(
-                f"checkpoint step {step} has no input position in {self.directory}: the input cannot resume "
-                "exactly; restore that folder, or start a new --model_dir"
-            )
-        self._ckpt.restore(path).assert_existing_objects_matched()
+            return self._cannot(step, f"checkpoint step {step} has no input position in {self.directory} (the run "
+                                      "that wrote it read synthetic data, the tf.data service, or another host count)",
+                                strict, "skipped")
+        stored = None
+        if tf.io.gfile.exists(self._source_path(step)):
+            with tf.io.gfile.GFile(self._source_path(step)) as f:
+                stored = json.load(f)
+        if stored is not None and self.source is not None and stored != self.source:
+            return self._cannot(step, f"the input changed since checkpoint step {step} "
+                                      f"({source_changes(stored, self.source)})", strict, "skipped")
+        try:
+            self._ckpt.restore(path).assert_existing_objects_matched()
+        except (tf.errors.OpError, AssertionError, ValueError) as e:
+            return self._cannot(step, f"the input position saved at step {step} does not fit this input pipeline "
+                                      f"({first_line(e)})", strict, "failed")
         log.info("input resumed at step %d from %s", step, path)
+        return "restored"
+
+    @staticmethod
+    def _cannot(step: int, why: str, strict: bool, outcome: str) -> str:
+        if strict:
+            raise UserError(f"{why}: train.strict_resume=True will not start the input over; undo the change, or set "
+                            "train.strict_resume=False to start the new input from its beginning")
+        log.warning("%s: the input starts from its beginning at step %d, not where the checkpoint left it "
+                    "(train.strict_resume=True refuses instead)", why, step)
+        return outcome
+
+
+def source_changes(before: dict, now: dict, show: int = 3) -> str:
+    """What differs between two input sources, in a few words (`InputCheckpoint`)."""
+    short = lambda v: (repr(v) if len(repr(v)) <= 60 else repr(v)[:57] + "...")
+    parts = []
+    for key in sorted(set(before) | set(now)):
+        old, new = before.get(key), now.get(key)
+        if old == new:
+            continue
+        if key == "files" and old is not None and new is not None:
+            gone = [f for f, _ in old if f not in {g for g, _ in new}]
+            added = [f for f, _ in new if f not in {g for g, _ in old}]
+            resized = [f for f, size in new if [f, size] not in old and f not in added]
+            parts.append("this host's files: " + ", ".join(
+                f"{len(v)} {what} (e.g. {os.path.basename(v[0])})"
+                for what, v in (("gone", gone), ("new", added), ("changed size", resized)) if v))
+        else:
+            parts.append(f"{key}: {short(old)} -> {short(new)}")
+    return "; ".join(parts[:show]) + (f"; and {len(parts) - show} more" if len(parts) > show else "")

@@ -161,7 +161,7 @@ def saved_model(model_dir: str, checkpoint: str | None = None, model_name: str |
     Returns:
       export()'s result.
     """
-    from tfpod.main import build_task_configs, parse_config
+    from tfpod.config import build_task_configs, parse_config
 
     config = os.path.join(model_dir, "config.gin")
     if not os.path.exists(config):

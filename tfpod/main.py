@@ -1,11 +1,7 @@
-"""The command line: absl flags -> gin -> run. The only module that knows gin.
+"""The command line: absl flags -> config (tfpod.config, gin) -> run.
 
     python main.py --gin_file=gin/lm_tiny.gin --model_dir=/tmp/run \
         [--gin_param=train.steps=200 ...] [--mode=train] [--mesh=data:4,model:2] [--cpu_devices=8]
-
-Library classes become gin configurables here: `train.*` (TrainConfig),
-`optimizer.*` (OptimizerConfig), `sharding.*` (ShardingConfig), `experiment.*`, and each
-model's config under its name (`gpt.*`).
 """
 
 from __future__ import annotations
@@ -16,10 +12,9 @@ import os
 import sys
 
 import tfpod  # noqa: F401  (selects tf_keras before TensorFlow loads)
-import gin
 from absl import app, flags
 
-from tfpod import UserError
+from tfpod import UserError, config
 
 FLAGS = flags.FLAGS
 MODES = ("train", "eval", "train_and_eval", "export")
@@ -37,113 +32,6 @@ flags.DEFINE_string("model_name", None, "--mode=export: the name TF Serving serv
 flags.DEFINE_integer("num_hosts", None, "hosts in a multi-host job (default: $DTENSOR_NUM_CLIENTS, else 1)")
 flags.DEFINE_integer("host_id", None, "this host's index (default: $DTENSOR_CLIENT_ID)")
 flags.DEFINE_string("host_addresses", None, "host:port of every host, comma-separated, in host order ($DTENSOR_JOBS)")
-
-
-@dataclasses.dataclass
-class ExperimentConfig:
-    """Which model and mesh. Attributes map 1:1 to gin `experiment.<name>`."""
-
-    model: str = "gpt"
-    mesh: str = "data:-1"
-
-
-_CONFIGURABLES = {}
-
-
-def _register():
-    """Registers the library's config classes with gin (once per process)."""
-    if _CONFIGURABLES:
-        return _CONFIGURABLES
-    from tfpod import optimizers, sharding, trainer
-    from tfpod.models import TASKS
-
-    _CONFIGURABLES["experiment"] = gin.external_configurable(ExperimentConfig, name="experiment")
-    _CONFIGURABLES["train"] = gin.external_configurable(trainer.TrainConfig, name="train")
-    _CONFIGURABLES["optimizer"] = gin.external_configurable(optimizers.OptimizerConfig, name="optimizer")
-    _CONFIGURABLES["sharding"] = gin.external_configurable(sharding.ShardingConfig, name="sharding")
-    for name, task in TASKS.items():
-        _CONFIGURABLES[name] = gin.external_configurable(task.Config, name=name)
-        if task.DATA not in _CONFIGURABLES:  # tasks may share one data config (gpt, moe: lm_data)
-            _CONFIGURABLES[task.DATA] = gin.external_configurable(task.DataConfig, name=task.DATA)
-    return _CONFIGURABLES
-
-
-def gin_search_dirs() -> list[str]:
-    """Folders holding tfpod's gin files: <checkout>/gin from a clone, tfpod/gin installed."""
-    return [d for d in (os.path.join(p, "gin") for p in tfpod.__path__) if os.path.isdir(d)]
-
-
-def resolve_gin_file(path: str) -> str:
-    """The gin file a --gin_file names: as given, else under tfpod's gin folders."""
-    if os.path.isfile(path):
-        return path
-    rel = path[len("gin/"):] if path.startswith("gin/") else path
-    for d in gin_search_dirs():
-        candidate = os.path.join(d, rel)
-        if os.path.isfile(candidate):
-            return candidate
-    known = sorted(
-        os.path.relpath(os.path.join(r, f), d)
-        for d in gin_search_dirs() for r, _, fs in os.walk(d) for f in fs if f.endswith(".gin")
-    )
-    raise UserError(f"--gin_file={path}: no such file (here or in tfpod's gin/: {', '.join(known)})")
-
-
-def parse_config(gin_files: list[str], gin_params: list[str]) -> None:
-    """Clears gin and applies files then bindings; any gin error becomes one UserError line."""
-    gin.clear_config()
-    _register()
-    for d in gin_search_dirs():
-        gin.add_config_file_search_path(d)
-        gin.add_config_file_search_path(os.path.dirname(d))
-    files = [resolve_gin_file(f) for f in gin_files]
-    from absl import logging as absl_logging
-
-    verbosity = absl_logging.get_verbosity()
-    absl_logging.set_verbosity(absl_logging.FATAL)  # gin logs an ERROR for each include path it probes
-    try:
-        gin.parse_config_files_and_bindings(files, gin_params, finalize_config=False)
-    except Exception as e:  # gin raises ValueError, KeyError, ImportError, SyntaxError...
-        raise UserError(f"gin config: {_one_line(e)} (files: {', '.join(files) or 'none'}; params: {gin_params})") from None
-    finally:
-        absl_logging.set_verbosity(verbosity)
-
-
-def _one_line(e: BaseException) -> str:
-    text = " ".join(str(e).split())
-    return text if len(text) < 400 else text[:400] + "..."
-
-
-def _check_required(name: str) -> None:
-    """gin files mark values every experiment must set as `%gin.REQUIRED`; say which is unset."""
-    for field in (f.name for f in dataclasses.fields(_CONFIGURABLES[name])):
-        try:
-            value = gin.query_parameter(f"{name}.{field}")
-        except ValueError:
-            continue
-        if str(value) == "%gin.REQUIRED":
-            raise UserError(
-                f"{name}.{field} is required and unset: bind it in your gin file or pass "
-                f"--gin_param={name}.{field}=VALUE"
-            )
-
-
-def _build_config(name: str):
-    _check_required(name)
-    try:
-        return _CONFIGURABLES[name]()
-    except UserError as e:  # gin appends "In call to configurable ..." on a new line
-        raise UserError(str(e).splitlines()[0]) from None
-    except (TypeError, ValueError) as e:
-        raise UserError(f"gin config for {name}.*: {_one_line(e)}") from None
-
-
-def build_task_configs():
-    """(task module, model config, data config) from the parsed gin config."""
-    from tfpod.models import get_task
-
-    task = get_task(_build_config("experiment").model)
-    return task, _build_config(task.NAME), _build_config(task.DATA)
 
 
 def setup_logging(verbose: bool = False) -> None:
@@ -175,6 +63,30 @@ def check_writable(model_dir: str) -> None:
                         "process may create and write, e.g. on a local or mounted disk") from None
 
 
+@dataclasses.dataclass
+class RunConfigs:
+    """Every config of a run, built and validated from the parsed gin config."""
+
+    task: object
+    experiment: config.ExperimentConfig
+    model: object
+    data: object
+    train: object
+    optimizer: object
+    sharding: object
+
+
+def build_run_configs() -> RunConfigs:
+    """Builds every config (each value checked: types, ranges, choices) before anything is written."""
+    experiment = config.build_config("experiment")
+    from tfpod.models import get_task
+
+    task = get_task(experiment.model)
+    return RunConfigs(task=task, experiment=experiment, model=config.build_config(task.NAME),
+                      data=config.build_config(task.DATA), train=config.build_config("train"),
+                      optimizer=config.build_config("optimizer"), sharding=config.build_config("sharding"))
+
+
 def run(
     gin_files: list[str],
     gin_params: list[str],
@@ -186,59 +98,53 @@ def run(
     checkpoint: str | None = None,
     model_name: str | None = None,
 ) -> dict:
-    """Parses the config, starts the runtime and runs `mode`. Returns the mode's result."""
+    """Parses the config, starts the runtime and runs `mode`. Returns the mode's result.
+
+    Nothing is written to model_dir until the config is valid; config.gin and
+    layouts.txt are written (atomically) only once training has started, so a run that
+    stops before that leaves an earlier run's record as it was.
+    """
     if not model_dir:
         raise UserError("--model_dir is required: the folder for checkpoints, config.gin and metrics")
-    parse_config(gin_files, gin_params)
+    config.parse_config(gin_files, gin_params)
+    c = build_run_configs()
+    task = c.task
     if mode != "eval":
         check_writable(model_dir)
     if mode == "export":  # a plain single-device copy: no mesh, no runtime
         from tfpod import export
 
-        task, model_config, data_config = build_task_configs()
-        return export.export(task, model_config, data_config, model_dir, checkpoint, model_name)
-    experiment = _build_config("experiment")
-    from tfpod.models import get_task
-
-    task = get_task(experiment.model)
-    model_config = _build_config(task.NAME)
-    train_config = _build_config("train")
-    opt_config = _build_config("optimizer")
-    sharding_config = _build_config("sharding")
-    placement = sharding_config.trainer_args(task.DEFAULT_PRESET)
+        return export.export(task, c.model, c.data, model_dir, checkpoint, model_name)
+    placement = c.sharding.trainer_args(task.DEFAULT_PRESET)
 
     from tfpod import mesh as meshlib, runtime, sharding, trainer
 
     info = runtime.initialize(cpu_devices=cpu_devices, device_type=device_type)
-    mesh = meshlib.make_mesh(mesh_spec or experiment.mesh)
+    mesh = meshlib.make_mesh(mesh_spec or c.experiment.mesh)
     sharding.check_mesh_axes(mesh, placement["table"], (placement["update_axis"], placement["gather_axis"]),
-                             preset=sharding_config.preset or task.DEFAULT_PRESET,
+                             preset=c.sharding.preset or task.DEFAULT_PRESET,
                              fix=f"map a logical axis to it with sharding.rules (e.g. {{'mlp': '<axis>'}})")
     task_input = None
-    if not train_config.synthetic_data:  # the default demo data is prepared here on first use
-        task_input = task.make_input(_build_config(task.DATA), model_config, info.num_clients, info.client_id,
-                                     train_config.seed)
+    if not c.train.synthetic_data:  # the default demo data is prepared here on first use
+        task_input = task.make_input(c.data, c.model, info.num_clients, info.client_id, c.train.seed)
     if mode == "eval":
-        return _evaluate(task, model_config, train_config, opt_config, mesh, placement, model_dir, checkpoint,
-                         task_input)
-    os.makedirs(model_dir, exist_ok=True)
-    t = trainer.Trainer(task, model_config, train_config, opt_config, mesh, model_dir=model_dir, **placement)
+        return _evaluate(task, c.model, c.train, c.optimizer, mesh, placement, model_dir, checkpoint, task_input)
+    t = trainer.Trainer(task, c.model, c.train, c.optimizer, mesh, model_dir=model_dir, **placement)
     if task_input is not None:
         t.corrupt_finder = task_input.find_corrupt
-    t.restore()  # a checkpoint that does not fit stops the run here, before config.gin is written
-    if info.client_id == 0:
-        with open(os.path.join(model_dir, "config.gin"), "w") as f:
-            f.write(gin.operative_config_str())
+    t.restore()  # a checkpoint that does not fit stops the run here
     eval_batches = None
     if mode == "train_and_eval":
         if task_input is None or task_input.eval is None:
             raise UserError(f"--mode=train_and_eval needs eval data: set {task.DATA}.eval_files "
                             "(train.synthetic_data=True has none)")
-        if not train_config.eval_every:
+        if not c.train.eval_every:
             raise UserError("--mode=train_and_eval needs train.eval_every > 0: the steps between evaluations")
         eval_batches = [{k: v.numpy() for k, v in b.items()} for b in task_input.eval(t.host_rows)]
     return t.train(task_input.train if task_input else None,
-                   checkpointable_input=task_input.checkpointable if task_input else True, eval_batches=eval_batches)
+                   checkpointable_input=task_input.checkpointable if task_input else True, eval_batches=eval_batches,
+                   run_files={"config.gin": config.operative_config()},
+                   input_source=task_input.source if task_input else None)
 
 
 def _evaluate(task, model_config, train_config, opt_config, mesh, placement, model_dir, checkpoint, task_input):

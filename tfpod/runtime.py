@@ -13,6 +13,7 @@ import logging
 import os
 from typing import Callable
 
+import numpy as np
 import tensorflow as tf
 from tensorflow.experimental import dtensor
 
@@ -221,6 +222,14 @@ def stop_on_lost_host(checkpoint: Callable[[], str | None]):
         if message is None:
             raise
         raise UserError(message) from None
+
+
+def to_host(x) -> np.ndarray:
+    """A replicated DTensor (or a plain tensor) as a host numpy array."""
+    try:
+        return dtensor.unpack(x)[0].numpy()
+    except (ValueError, TypeError, tf.errors.InvalidArgumentError):
+        return np.asarray(x)
 
 
 def info() -> RuntimeInfo:

@@ -50,12 +50,16 @@ class TrainConfig:
       target_metric: train_and_eval stops when this eval metric reaches target_value
         (loss and perplexity: at or below; others: at or above).
       target_value: see target_metric.
-      on_nonfinite: what a NaN or Inf loss does: "stop" (exit naming the step), "skip"
-        (leave the weights and optimizer state as they were, go on with the next batch) or
-        "rollback" (restore the last checkpoint and go on with the next batches, as Model
-        Garden's loss-blowup recovery does).
+      on_nonfinite: what a step whose loss or gradient norm is NaN or Inf does. Its update
+        is never applied (the compiled step skips it) and no checkpoint is ever written of
+        non-finite weights; then "stop" (exit naming the step and the newest checkpoint),
+        "skip" (go on with the next batch) or "rollback" (restore the newest checkpoint
+        and go on with the next batches, as Model Garden's loss-blowup recovery does).
       max_nonfinite: "skip": most steps skipped in a row; "rollback": most rollbacks
         before a new checkpoint is reached. One more stops the run.
+      strict_resume: a resumed run whose input is not the one its checkpoint's input
+        position was saved with (other files, format, batch, ...) stops with one line,
+        instead of starting the new input from its beginning with a warning.
     """
 
     steps: int = 100
@@ -73,6 +77,7 @@ class TrainConfig:
     target_value: float | None = None
     on_nonfinite: str = "stop"
     max_nonfinite: int = 3
+    strict_resume: bool = False
 
     def reached(self, result: Mapping[str, float]) -> bool:
         """Whether an eval result reaches the target (never without one)."""
@@ -99,9 +104,12 @@ class TrainConfig:
             raise UserError(f"train.max_nonfinite={self.max_nonfinite} must be at least 1")
 
 
-def make_train_loop(model, update: optimizers.Update, loss_fn, clip_norm: float | None, steps_per_loop: int,
-                    skip_nonfinite: bool = False):
+def make_train_loop(model, update: optimizers.Update, loss_fn, clip_norm: float | None, steps_per_loop: int):
     """The compiled training loop: up to `steps_per_loop` steps per call.
+
+    A step whose loss or gradient norm is NaN or Inf only advances the step counter:
+    its update is not applied, so weights and optimizer slots keep finite values (what
+    the run does next is `NonfiniteGuard`'s, on the host).
 
     Args:
       model: the sharded model.
@@ -109,8 +117,6 @@ def make_train_loop(model, update: optimizers.Update, loss_fn, clip_norm: float 
       loss_fn: (model, batch, training) -> (loss, metrics).
       clip_norm: global-norm gradient clipping (None or 0: off).
       steps_per_loop: the leading dimension of the stacked batches.
-      skip_nonfinite: a step whose loss or gradient norm is NaN or Inf only advances the
-        step counter; weights and optimizer slots keep their values.
 
     Returns:
       fn(stacked_batches, num_steps) -> (losses [steps_per_loop], grad_norms
@@ -127,9 +133,6 @@ def make_train_loop(model, update: optimizers.Update, loss_fn, clip_norm: float 
             grads, norm = tf.clip_by_global_norm(grads, clip_norm)
         else:
             norm = tf.linalg.global_norm(grads)
-        if not skip_nonfinite:
-            update.apply(grads)
-            return loss, norm
 
         def skip():
             update.optimizer.iterations.assign_add(1)  # the batch is consumed; the step counter stays in step
@@ -152,63 +155,76 @@ def make_train_loop(model, update: optimizers.Update, loss_fn, clip_norm: float 
     return train_loop
 
 
-def _gather_scalar(x) -> np.ndarray:
-    """A replicated DTensor (or plain tensor) as a host numpy array."""
-    try:
-        return dtensor.unpack(x)[0].numpy()
-    except (ValueError, TypeError, tf.errors.InvalidArgumentError):
-        return np.asarray(x)
+def _nonfinite_text(loss: float, norm: float, step: int) -> str:
+    if not np.isfinite(loss):
+        return f"loss became {loss} at step {step}"
+    return f"gradient norm became {norm} at step {step} (loss {loss:.4g})"
 
 
 class NonfiniteGuard:
-    """Applies train.on_nonfinite to each call's losses (see TrainConfig)."""
+    """Applies train.on_nonfinite after each call of the compiled loop (see TrainConfig).
+
+    The compiled step has already dropped the update of every step whose loss or
+    gradient norm is not finite; this decides whether the run stops, goes on, or goes
+    back to the newest checkpoint, and says so.
+    """
 
     def __init__(self, cfg: TrainConfig, checkpoints: checkpoint.CheckpointManager):
         self.cfg, self.checkpoints = cfg, checkpoints
-        self.in_a_row = 0  # skip: steps skipped in a row; rollback: rollbacks since the last save
+        self.skipping = 0  # skip: steps skipped in a row, across calls
+        self.rollbacks = 0  # rollback: rollbacks since the last save
 
     def saved(self) -> None:
-        if self.cfg.on_nonfinite == "rollback":
-            self.in_a_row = 0
+        self.rollbacks = 0
 
-    def check(self, step: int, losses: np.ndarray) -> int | None:
-        """Raises, skips (logs) or rolls back for the non-finite losses of steps step+1...
+    def check(self, step: int, losses: np.ndarray, norms: np.ndarray) -> int | None:
+        """Stops, skips (logs) or rolls back for the non-finite steps step+1... of one call.
 
         Returns:
           The step rolled back to, or None when training goes on from step + len(losses).
         """
-        c, policy = self.cfg, self.cfg.on_nonfinite
-        bad = [(step + i + 1, float(x)) for i, x in enumerate(losses) if not np.isfinite(x)]
-        if policy == "skip":
-            for i, x in enumerate(losses):
-                self.in_a_row = 0 if np.isfinite(x) else self.in_a_row + 1
-                if self.in_a_row > c.max_nonfinite:
-                    self._stop(step + i + 1, float(x), f"after skipping {c.max_nonfinite} steps in a row")
-            for s, x in bad:
-                log.warning("loss became %s at step %d: skipped its update (train.on_nonfinite='skip')", x, s)
+        c = self.cfg
+        bad = [(step + i + 1, float(x), float(n)) for i, (x, n) in enumerate(zip(losses, norms))
+               if not (np.isfinite(x) and np.isfinite(n))]
+        if c.on_nonfinite == "skip":
+            for i, (x, n) in enumerate(zip(losses, norms)):
+                if np.isfinite(x) and np.isfinite(n):
+                    self.skipping = 0
+                    continue
+                self.skipping += 1
+                if self.skipping > c.max_nonfinite:
+                    self._stop(step + i + 1, float(x), float(n), f" after skipping {c.max_nonfinite} steps in a row")
+                log.warning("%s: skipped its update (train.on_nonfinite='skip', %d in a row, at most %d)",
+                            _nonfinite_text(float(x), float(n), step + i + 1), self.skipping, c.max_nonfinite)
             return None
         if not bad:
             return None
-        first, value = bad[0]
-        if policy == "stop":
-            self._stop(first, value)
-        self.in_a_row += 1
-        if self.in_a_row > c.max_nonfinite:
-            self._stop(first, value, f"after {c.max_nonfinite} rollback(s) without reaching a new checkpoint")
+        first, loss, norm = bad[0]
+        if c.on_nonfinite == "stop":
+            self._stop(first, loss, norm)
+        return self.roll_back(_nonfinite_text(loss, norm, first))
+
+    def roll_back(self, what: str) -> int:
+        """Restores the newest checkpoint (rollback policy) for `what` went non-finite; returns its step."""
+        c = self.cfg
+        self.rollbacks += 1
+        if self.rollbacks > c.max_nonfinite:
+            raise UserError(f"{what} after {c.max_nonfinite} rollback(s) without reaching a new checkpoint: "
+                            f"{checkpoint.newest_checkpoint(self.checkpoints.latest)}; " + _FIXES)
         if self.checkpoints.latest is None:
-            self._stop(first, value, "with no checkpoint yet to roll back to")
+            raise UserError(f"{what} with no checkpoint yet to roll back to; " + _FIXES)
         restored = self.checkpoints.restore_latest()
-        log.warning("loss became %s at step %d: rolled back to the checkpoint of step %d; training goes on with "
-                    "the next batches (train.on_nonfinite='rollback', %d of %d)", value, first, restored,
-                    self.in_a_row, c.max_nonfinite)
+        log.warning("%s: rolled back to the checkpoint of step %d; training goes on with the next batches "
+                    "(train.on_nonfinite='rollback', %d of %d)", what, restored, self.rollbacks, c.max_nonfinite)
         return restored
 
-    def _stop(self, step: int, value: float, why: str = "") -> None:
-        raise UserError(
-            f"loss became {value} at step {step}{' ' + why if why else ''}: lower optimizer.learning_rate, raise "
-            f"optimizer.warmup_steps, set optimizer.clip_norm, or set train.on_nonfinite='skip' or 'rollback'; "
-            f"checkpoints up to {self.checkpoints.latest or 'none'} are intact"
-        )
+    def _stop(self, step: int, loss: float, norm: float, why: str = "") -> None:
+        raise UserError(f"{_nonfinite_text(loss, norm, step)}{why}: its update was not applied; "
+                        f"{checkpoint.newest_checkpoint(self.checkpoints.latest)}; {_FIXES}")
+
+
+_FIXES = ("lower optimizer.learning_rate, raise optimizer.warmup_steps, set optimizer.clip_norm, or set "
+          "train.on_nonfinite='skip' or 'rollback'")
 
 
 class Trainer:
@@ -272,9 +288,7 @@ class Trainer:
         )
         self.dropout_layers = checkpoint.replayable_dropout(self.model, self.step_var, train.seed)
         self._compiled_loop = make_train_loop(
-            self.model, self.update, task.loss_and_metrics, optimizer.clip_norm, train.steps_per_loop,
-            skip_nonfinite=train.on_nonfinite == "skip",
-        )
+            self.model, self.update, task.loss_and_metrics, optimizer.clip_norm, train.steps_per_loop)
         self._train_loop = self._compiled_loop
         self.tokens_per_step = train.global_batch_size * (self.seq_len or 1)
         self.flops_per_step = task.flops_per_token(model_config) * self.tokens_per_step
@@ -336,15 +350,24 @@ class Trainer:
             marks.append((step // c.eval_every + 1) * c.eval_every)
         return min(min(marks), step + c.steps_per_loop)
 
-    def _dataset_batches(self, dataset: tf.data.Dataset, resumed: int | None, checkpointable: bool):
+    def _dataset_batches(self, dataset_fn: Callable[[int], tf.data.Dataset], resumed: int | None,
+                         checkpointable: bool, source: Mapping | None):
         """Host batches from this host's dataset; its position is checkpointed with the model."""
-        iterator = iter(dataset)
+        iterator = iter(dataset_fn(self.host_rows))
         input_ckpt = None
         if checkpointable:
-            input_ckpt = checkpoint.InputCheckpoint(self.model_dir, self.info.client_id, iterator, self.cfg.keep_checkpoints)
-            if resumed is not None:
-                input_ckpt.restore(resumed)
+            source = {**(source or {}), "host_rows": self.host_rows, "seed": self.cfg.seed,
+                      "hosts": self.info.num_clients, "host": self.info.client_id}
+            make = lambda it: checkpoint.InputCheckpoint(self.model_dir, self.info.client_id, it,
+                                                         self.cfg.keep_checkpoints, source)
+            input_ckpt = make(iterator)
+            if resumed is not None and input_ckpt.restore(resumed, strict=self.cfg.strict_resume) == "failed":
+                iterator = iter(dataset_fn(self.host_rows))  # a new dataset: the failed restore may have left it half set
+                input_ckpt = make(iterator)
         elif resumed is not None:
+            if self.cfg.strict_resume:
+                raise UserError("input read through the tf.data service cannot resume where it left off: unset its "
+                                "service_address, or set train.strict_resume=False to start it over")
             log.warning("input read through the tf.data service cannot resume exactly: it restarts at step %d", resumed)
 
         def batches():
@@ -362,6 +385,12 @@ class Trainer:
 
         return batches(), input_ckpt
 
+    def _write_run_record(self, run_files: Mapping[str, str] | None) -> None:
+        """layouts.txt and `run_files`, each written atomically by host 0 (see `train`)."""
+        if self.is_chief:
+            for name, text in {"layouts.txt": self.layout_text, **(run_files or {})}.items():
+                checkpoint.write_atomically(os.path.join(self.model_dir, name), text)
+
     def _corrupt_hint(self) -> str:
         bad = self.corrupt_finder() if self.corrupt_finder else None
         where = f"file {bad} is corrupt" if bad else "one of this host's files is corrupt"
@@ -371,7 +400,8 @@ class Trainer:
         return f"{where}; replace it"
 
     def train(self, dataset_fn: Callable[[int], tf.data.Dataset] | None = None, checkpointable_input: bool = True,
-              eval_batches: list | None = None) -> dict:
+              eval_batches: list | None = None, run_files: Mapping[str, str] | None = None,
+              input_source: Mapping | None = None) -> dict:
         """Trains from the newest checkpoint (or from scratch) up to train.steps.
 
         Args:
@@ -380,6 +410,13 @@ class Trainer:
             (not when fed by the tf.data service).
           eval_batches: this host's eval batches (train_and_eval): evaluated every
             train.eval_every steps; the run stops early when train.target_* is reached.
+          run_files: {file name: text} the run's record in model_dir besides
+            layouts.txt (main.py's config.gin): written by host 0, atomically, once the
+            first call of the compiled loop has trained, so a run that fails before
+            training leaves the record of the earlier run as it was.
+          input_source: what the training input is built from (JSON-able; see
+            checkpoint.InputCheckpoint): its saved position is restored only when this
+            is the same.
 
         SIGTERM (preemption) during training finishes the current call of the compiled loop,
         saves a checkpoint and returns with "preempted" set; rerunning resumes from it.
@@ -391,9 +428,6 @@ class Trainer:
         c = self.cfg
         resumed = self._restored[0] if self._restored is not None else self.checkpoints.restore_latest()
         self._restored = None
-        if self.is_chief:  # only now: a run stopped by a checkpoint that does not fit writes nothing
-            with open(os.path.join(self.model_dir, "layouts.txt"), "w") as f:
-                f.write(self.layout_text)
         step = resumed or 0
         if step >= c.steps:
             log.info("already at step %d of train.steps=%d: nothing to train", step, c.steps)
@@ -402,14 +436,21 @@ class Trainer:
         if dataset_fn is None:
             batches = self.synthetic_batches(step)
         else:
-            batches, input_ckpt = self._dataset_batches(dataset_fn(self.host_rows), resumed, checkpointable_input)
+            batches, input_ckpt = self._dataset_batches(dataset_fn, resumed, checkpointable_input, input_source)
         start_step, t_start = step, time.time()
         window_losses, window_steps, t_window = [], 0, time.time()
         rate = None  # seconds per step, excluding the first (compiling) call
         all_losses, last_loss = [], None
         first_call, traces_seen = True, self.traces
         nonfinite = NonfiniteGuard(c, self.checkpoints)
-        preempted = False
+        preempted = pending_save = False
+        window_skipped = 0
+
+        def rewind(to: int) -> None:  # after a rollback: the weights, slots and step are the checkpoint's again
+            nonlocal step, window_losses, window_steps, t_window, window_skipped
+            del all_losses[max(0, to - start_step):]
+            step, window_losses, window_steps, t_window, window_skipped = to, [], 0, time.time(), 0
+
         # A host lost in any collective below (step, preemption agreement, eval, save) is one error line.
         with runtime.stop_on_lost_host(lambda: self.checkpoints.latest), \
                 sharding.activation_sharding(self.mesh, self.table), \
@@ -422,8 +463,8 @@ class Trainer:
                 stacked = self._stack([next(batches) for _ in range(n)])
                 t_call = time.time()
                 losses, norms = self._train_loop(stacked, tf.constant(n, tf.int32))
-                losses = _gather_scalar(losses)[:n]
-                norms = _gather_scalar(norms)[:n]
+                losses = runtime.to_host(losses)[:n]
+                norms = runtime.to_host(norms)[:n]
                 dt = time.time() - t_call
                 if self.traces > traces_seen:
                     if not first_call:  # shapes, dtypes or Python values changed between calls
@@ -432,22 +473,24 @@ class Trainer:
                     traces_seen = self.traces
                 if not first_call:
                     rate = dt / n if rate is None else 0.7 * rate + 0.3 * dt / n
+                rolled_back_to = nonfinite.check(step, losses, norms)
+                if first_call:  # training has started: only now is the run's record written over
+                    self._write_run_record(run_files)
                 first_call = False
-                rolled_back_to = nonfinite.check(step, losses)
-                if rolled_back_to is not None:  # the weights, slots and step are the checkpoint's again
-                    del all_losses[max(0, rolled_back_to - start_step):]
-                    step = rolled_back_to
-                    window_losses, window_steps, t_window = [], 0, time.time()
+                if rolled_back_to is not None:
+                    rewind(rolled_back_to)
                     continue
                 step += n
+                finite = np.isfinite(losses) & np.isfinite(norms)
                 all_losses.extend(float(x) for x in losses)
-                window_losses.extend(float(x) for x in losses if np.isfinite(x))
+                window_losses.extend(float(x) for x in losses[finite])
+                window_skipped += int(n - finite.sum())
                 window_steps += n
                 if step % c.log_every == 0 or step == c.steps:
                     elapsed = time.time() - t_window
                     last_loss = float(np.mean(window_losses)) if window_losses else float("nan")
-                    self._log_train(step, last_loss, float(norms[-1]), window_steps, elapsed, rate)
-                    window_losses, window_steps, t_window = [], 0, time.time()
+                    self._log_train(step, last_loss, float(norms[-1]), window_steps, elapsed, rate, window_skipped)
+                    window_losses, window_steps, t_window, window_skipped = [], 0, time.time(), 0
                 reached = False
                 if eval_batches is not None and c.eval_every and (step % c.eval_every == 0 or step == c.steps):
                     result = self.evaluate(eval_batches, step, extra={"train_seconds": time.time() - t_start})
@@ -457,13 +500,30 @@ class Trainer:
                                  c.target_metric, "<=" if c.target_metric in ("loss", "perplexity") else ">=",
                                  c.target_value, step, datetime.timedelta(seconds=round(time.time() - t_start)))
                 preempted = preemption.requested()
-                if step % c.checkpoint_every == 0 or step == c.steps or reached or preempted:
-                    if input_ckpt:
-                        input_ckpt.save(step)  # first, so the model checkpoint always has its input position
-                    saved = self.checkpoints.save()
-                    nonfinite.saved()
-                    if preempted:
-                        log.warning("preempted: saved %s at step %d; rerun the same command to resume", saved, step)
+                last = step == c.steps or reached or preempted
+                if not (last or pending_save or step % c.checkpoint_every == 0):
+                    continue
+                if nonfinite.skipping and not last:  # never rotate older checkpoints out during a skip streak
+                    if not pending_save:
+                        log.warning("step %d was skipped as non-finite: its checkpoint waits for the next step that "
+                                    "trains", step)
+                    pending_save = True
+                    continue
+                try:
+                    self.checkpoints.check_finite()
+                except checkpoint.NonfiniteState as e:
+                    if c.on_nonfinite != "rollback":
+                        raise
+                    rewind(nonfinite.roll_back(f"the weights or optimizer state became NaN or Inf at step {step} "
+                                               f"({', '.join(e.variables[:3])})"))
+                    continue
+                if input_ckpt:
+                    input_ckpt.save(step)  # first, so the model checkpoint always has its input position
+                saved = self.checkpoints.save(checked=True)
+                pending_save = False
+                nonfinite.saved()
+                if preempted:
+                    log.warning("preempted: saved %s at step %d; rerun the same command to resume", saved, step)
                 if reached or preempted:
                     break
         log.info(
@@ -511,24 +571,26 @@ class Trainer:
             writer.flush()
         return result
 
-    def _log_train(self, step: int, loss: float, grad_norm: float, steps: int, elapsed: float, rate: float | None):
+    def _log_train(self, step: int, loss: float, grad_norm: float, steps: int, elapsed: float, rate: float | None,
+                   skipped: int = 0):
         c = self.cfg
         steps_per_sec = steps / max(elapsed, 1e-9)
         examples_per_sec = steps_per_sec * c.global_batch_size
         tokens_per_sec = steps_per_sec * self.tokens_per_step
         mfu = flops.mfu(steps_per_sec * self.flops_per_step, self.peak_total)
-        lr = float(_gather_scalar(self.optimizer._decayed_lr(tf.float32)))
+        lr = float(runtime.to_host(self.optimizer._decayed_lr(tf.float32)))
         eta = datetime.timedelta(seconds=round((c.steps - step) * (rate if rate is not None else elapsed / steps)))
         log.info(
-            "step %d/%d | loss %.4f | %s tokens/s | %.1f examples/s | mfu %.1f%% | lr %.2e | grad_norm %.3f | eta %s",
+            "step %d/%d | loss %.4f | %s tokens/s | %.1f examples/s | mfu %.1f%% | lr %.2e | grad_norm %.3f | eta %s%s",
             step, c.steps, loss, f"{tokens_per_sec:,.0f}", examples_per_sec, 100 * mfu, lr, grad_norm, eta,
+            f" | skipped {skipped} non-finite" if skipped else "",
         )
         if not self.is_chief:
             return
         record = {
             "kind": "train", "step": step, "loss": loss, "tokens_per_sec": tokens_per_sec,
             "examples_per_sec": examples_per_sec, "mfu": mfu, "time": time.time(),
-            "learning_rate": lr, "grad_norm": grad_norm,
+            "learning_rate": lr, "grad_norm": grad_norm, "skipped_steps": skipped,
         }
         with open(os.path.join(self.model_dir, "metrics.jsonl"), "a") as f:
             f.write(json.dumps(record) + "\n")
