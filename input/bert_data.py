@@ -276,7 +276,8 @@ def text_dataset(cfg: BertDataConfig, pattern: str, vocab_path: str, model_confi
     ids = special_ids(tokenizer, vocab_path)
     doc_cfg = pipeline.LMDataConfig(format="auto", text_feature=cfg.text_feature, cycle_length=cfg.cycle_length,
                                     skip_corrupt=cfg.skip_corrupt)
-    docs = text.tokenize(pipeline.documents(shard, doc_cfg, seed, repeat), tokenizer, eos_id=prepare.EOS_ID)
+    documents = pipeline.documents(shard, doc_cfg, seed, repeat, tfrecord_fix="name TFRecord files *.tfrecord*")
+    docs = text.tokenize(documents, tokenizer, eos_id=prepare.EOS_ID)
     if repeat:
         segments = _segments(docs, seq_len - 2)
         if cfg.shuffle_buffer:

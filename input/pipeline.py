@@ -120,10 +120,66 @@ def _check_files(files: tuple[str, ...]) -> None:
             raise UserError(f"input file {f} is empty: remove it from the pattern or write data into it")
 
 
-def documents(shard: files_lib.HostShard, cfg: LMDataConfig, seed: int, repeat: bool) -> tf.data.Dataset:
-    """Scalar tf.string documents of this host's files, files reshuffled each epoch (seeded)."""
+_TEXT_SAMPLE = 64 * 1024  # bytes read from the start of each text file
+_TEXT_FILES = 256  # text files checked per host
+NOT_UTF8_LIMIT = 0.05  # share of bytes that are not UTF-8 above which a text file is refused
+
+
+def check_text_files(files, tfrecord_fix: str) -> None:
+    """Refuses binary files read as text; warns of bytes that are not UTF-8.
+
+    Reads the first 64 KiB of each of this host's first 256 files. A NUL byte in the
+    first 8 KiB means a binary file (a TFRecord without its extension, an archive, an
+    image); more than NOT_UTF8_LIMIT of the bytes not decoding as UTF-8 means binary or
+    another encoding. Fewer undecodable bytes are trained on as SentencePiece byte
+    pieces, with one warning giving their share.
+
+    Args:
+      files: this host's files, read as text.
+      tfrecord_fix: how to read a TFRecord file as one (named when a file is one).
+    """
+    undecodable = total = 0
+    worst = (0.0, "")
+    for f in list(files)[:_TEXT_FILES]:
+        with tf.io.gfile.GFile(f, "rb") as fh:
+            head = fh.read(_TEXT_SAMPLE)
+        if b"\x00" in head[:8192]:
+            record = _reads_as_tfrecord(f)
+            raise UserError(f"input file {f} is read as text but is binary (NUL bytes"
+                            f"{'; it reads as a TFRecord file' if record else ''}): "
+                            f"{tfrecord_fix if record else 'remove it from the pattern, or give text files'}")
+        if len(head) == _TEXT_SAMPLE:
+            head = head[:-3]  # a multi-byte character cut by the sample is not an error
+        bad = len(head) - len(head.decode("utf-8", errors="ignore").encode("utf-8"))
+        share = bad / max(len(head), 1)
+        if share > NOT_UTF8_LIMIT:
+            raise UserError(f"input file {f} is read as text but {share:.0%} of its first {len(head)} bytes are not "
+                            "UTF-8 (binary, or another encoding): convert it to UTF-8, or remove it from the pattern")
+        undecodable, total, worst = undecodable + bad, total + len(head), max(worst, (share, f))
+    if undecodable:
+        log.warning("input: %d of the %d bytes read from the start of %d text file(s) are not UTF-8 (%.2f%%; most in "
+                    "%s): the tokenizer takes them as raw bytes; convert the files to UTF-8", undecodable, total,
+                    min(len(files), _TEXT_FILES), 100 * undecodable / total, worst[1])
+
+
+def _reads_as_tfrecord(path: str) -> bool:
+    try:
+        return any(True for _ in tf.data.TFRecordDataset(path).take(1))
+    except tf.errors.OpError:
+        return False
+
+
+def documents(shard: files_lib.HostShard, cfg: LMDataConfig, seed: int, repeat: bool,
+              tfrecord_fix: str = "set lm_data.format='tfrecord'") -> tf.data.Dataset:
+    """Scalar tf.string documents of this host's files, files reshuffled each epoch (seeded).
+
+    Files read as text are checked first (`check_text_files`); `tfrecord_fix` says how
+    to read one that is a TFRecord file as one.
+    """
     names = list(shard.files)
     tfrecord = _is_tfrecord(names[0], cfg.format)
+    if not tfrecord:
+        check_text_files(names, tfrecord_fix)
     ds = tf.data.Dataset.from_tensor_slices(names)
     if repeat:
         ds = ds.shuffle(len(names), seed=seed, reshuffle_each_iteration=True).repeat()

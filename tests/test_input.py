@@ -225,3 +225,26 @@ def test_every_task_records_what_its_input_is_built_from():
         first_field = next(f.name for f in dataclasses.fields(data) if "eval" not in f.name)
         assert f"{task.DATA}.{first_field}" in source, name
         assert not any("eval" in k for k in source), name
+
+
+def test_binary_or_undecodable_text_files_are_refused_or_warned_of(tmp_path, corpus, caplog):
+    """Files read as text (no .tfrecord name, or lm_data.format='text') used to be trained on
+    whatever they held: a TFRecord without its extension, random bytes, another encoding."""
+    record = tmp_path / "shard-00000"  # a TFRecord file without its extension
+    with tf.io.TFRecordWriter(str(record)) as w:
+        w.write(tf.train.Example(features=tf.train.Features(feature={"text": tf.train.Feature(
+            bytes_list=tf.train.BytesList(value=[b"def f():\n    return 1\n"]))})).SerializeToString())
+    with pytest.raises(UserError) as e:
+        _small_run(tmp_path / "a", 2, [f"lm_data.train_files='{record}'"])
+    assert str(e.value) == (f"input file {record} is read as text but is binary (NUL bytes; it reads as a TFRecord "
+                            "file): set lm_data.format='tfrecord'")
+
+    noise = tmp_path / "noise.txt"
+    noise.write_bytes(bytes(np.random.RandomState(0).randint(128, 192, 4000).astype(np.uint8)))
+    with pytest.raises(UserError, match=r"noise.txt is read as text but 100% of its first 4000 bytes are not UTF-8"):
+        pipeline.check_text_files([str(noise)], "")
+    latin = tmp_path / "latin1.txt"
+    latin.write_bytes((("x = 1  # a plain line\n" * 9 + "caf\u00e9\n") * 10).encode("latin-1"))  # 10 of 2030 bytes
+    with caplog.at_level(logging.WARNING, logger="tfpod"):
+        pipeline.check_text_files([str(latin)], "")
+    assert f"10 of the 2030 bytes read from the start of 1 text file(s) are not UTF-8 (0.49%; most in {latin})" in caplog.text

@@ -21,7 +21,7 @@ No checkpoint is written of non-finite state: `save` first checks every weight a
 optimizer slot for NaN and Inf (`NonfiniteState`), so the newest checkpoint is always
 one a run can go on from, and keeping the newest `keep` never drops the last finite one.
 
-`Preemption` turns SIGTERM into "finish this step, save, exit 0", agreed by all hosts.
+`Preemption` turns SIGTERM (tfpod.preemption's flag) into "finish this step, save, exit 0", agreed by all hosts.
 """
 
 from __future__ import annotations
@@ -30,14 +30,13 @@ import functools
 import json
 import logging
 import os
-import signal
 import zlib
 
 import numpy as np
 import tensorflow as tf
 from tensorflow.experimental import dtensor
 
-from tfpod import UserError, runtime
+from tfpod import UserError, preemption, runtime
 
 log = logging.getLogger("tfpod")
 
@@ -173,9 +172,28 @@ class CheckpointManager:
         if not checked:
             self.check_finite()
         step = int(self._step.numpy())
-        path = self._manager.save(checkpoint_number=step)
+        try:
+            path = self._manager.save(checkpoint_number=step)
+        except (tf.errors.OpError, OSError) as e:  # a full disk, a quota, a lost mount
+            self._remove_partial(step)
+            raise UserError(f"checkpoint of step {step} could not be written to {self.directory} "
+                            f"({first_line(runtime.error_cause(e))}): free space there (or fix the error) and rerun to resume; "
+                            f"{newest_checkpoint(self.latest)}") from None
         log.info("saved checkpoint %s", path)
         return path
+
+    def _remove_partial(self, step: int) -> None:
+        """Removes what a failed save of `step` left (host 0; complete_steps ignores it anyway)."""
+        if dtensor.client_id() != 0:
+            return
+        prefix = os.path.join(self.directory, f"ckpt-{step}")
+        if tf.io.gfile.exists(prefix + ".index"):
+            return  # complete after all
+        for f in tf.io.gfile.glob(prefix + "_temp*") + tf.io.gfile.glob(prefix + ".data-*"):
+            try:
+                (tf.io.gfile.rmtree if tf.io.gfile.isdir(f) else tf.io.gfile.remove)(f)
+            except tf.errors.OpError:
+                pass
 
 
 class NonfiniteState(UserError):
@@ -351,38 +369,6 @@ def _reduce_max(x):
     return tf.reduce_max(x)
 
 
-_SIGTERM = {"received": False, "installed": False}
-
-
-def _on_sigterm(signum, frame) -> None:
-    del frame
-    if not _SIGTERM["received"]:
-        log.warning("%s received: finishing this step, then saving a checkpoint and exiting",
-                    signal.Signals(signum).name)
-    _SIGTERM["received"] = True
-
-
-def _install_sigterm_handler():
-    """Installs `_on_sigterm` unless it is; returns the handler it replaced (None: nothing replaced)."""
-    if _SIGTERM["installed"]:
-        return None
-    try:
-        previous = signal.signal(signal.SIGTERM, _on_sigterm)
-    except ValueError:  # not the main thread: SIGTERM keeps its default action
-        log.debug("SIGTERM handler not installed (not the main thread)")
-        return None
-    _SIGTERM["installed"] = True
-    return previous
-
-
-def catch_sigterm() -> bool:
-    """From now on SIGTERM only sets the flag `Preemption.requested` reads (main.py calls this
-    first thing, so a preemption notice during start-up or after the last step ends the run
-    with status 0 too). Returns whether the handler is installed (only the main thread can)."""
-    _install_sigterm_handler()
-    return _SIGTERM["installed"]
-
-
 class Preemption:
     """SIGTERM (a scheduler's preemption notice) as a request to save and stop.
 
@@ -390,7 +376,7 @@ class Preemption:
     call of the compiled loop, then saves a checkpoint and returns. On several hosts the
     hosts agree (`any_host`), so all stop after the same step even when the signal
     reaches them at different times. Used as a context manager around training; the
-    handler stays when `catch_sigterm` installed it before.
+    handler stays when `preemption.catch_sigterm` installed it before.
     """
 
     def __init__(self, mesh: dtensor.Mesh, num_clients: int):
@@ -398,18 +384,18 @@ class Preemption:
         self._previous = None
 
     def __enter__(self) -> "Preemption":
-        self._previous = _install_sigterm_handler()  # None when catch_sigterm installed it first
+        self._previous = preemption.install()  # None when catch_sigterm installed it first
         return self
 
     def __exit__(self, *exc) -> None:
         if self._previous is not None:
-            signal.signal(signal.SIGTERM, self._previous)
-            _SIGTERM["installed"], self._previous = False, None
+            preemption.uninstall(self._previous)
+            self._previous = None
 
     @property
     def signaled(self) -> bool:
         """Whether this host received SIGTERM."""
-        return _SIGTERM["received"]
+        return preemption.received()
 
     def requested(self) -> bool:
         """Whether any host received SIGTERM (a collective when there are several hosts)."""
@@ -440,10 +426,15 @@ class InputCheckpoint:
         self._manager = tf.train.CheckpointManager(self._ckpt, self.directory, max_to_keep=keep)
 
     def save(self, step: int) -> None:
-        if self.source is not None:  # first: the position never exists without what it describes
-            os.makedirs(self.directory, exist_ok=True)
-            write_atomically(self._source_path(step), json.dumps(self.source, indent=1, sort_keys=True))
-        self._manager.save(checkpoint_number=step)
+        try:
+            if self.source is not None:  # first: the position never exists without what it describes
+                os.makedirs(self.directory, exist_ok=True)
+                write_atomically(self._source_path(step), json.dumps(self.source, indent=1, sort_keys=True))
+            self._manager.save(checkpoint_number=step)
+        except (tf.errors.OpError, OSError) as e:  # a full disk, a quota, a lost mount
+            raise UserError(f"the input position of step {step} could not be written to {self.directory} "
+                            f"({first_line(runtime.error_cause(e))}): free space there (or fix the error) and rerun "
+                            "to resume; the checkpoints already there are intact") from None
         kept = {os.path.basename(p) for p in self._manager.checkpoints}
         for f in tf.io.gfile.glob(os.path.join(self.directory, "ckpt-*.source.json")):
             if os.path.basename(f)[: -len(".source.json")] not in kept:

@@ -83,9 +83,12 @@ def launch(num_hosts: int, devices_per_host: int, command: list[str], out=sys.st
         print(f"launcher: {signal.Signals(signum).name}: passing it to every host", file=sys.stderr, flush=True)
         for p in procs:
             if p.poll() is None:
-                os.killpg(p.pid, signum)
+                try:
+                    os.killpg(p.pid, signum)
+                except ProcessLookupError:  # exited meanwhile
+                    pass
 
-    try:
+    try:  # kept until the launcher returns: a repeated notice while the hosts exit is passed on, not fatal
         previous = signal.signal(signal.SIGTERM, forward)
     except ValueError:  # not the main thread: SIGTERM keeps its default action
         previous = None
@@ -101,9 +104,6 @@ def launch(num_hosts: int, devices_per_host: int, command: list[str], out=sys.st
             time.sleep(0.2)
     except KeyboardInterrupt:
         failed = (None, 130)
-    finally:
-        if previous is not None:
-            signal.signal(signal.SIGTERM, previous)
     if failed is not None:
         # The others wait in collectives for the lost host: they cannot save, so they are killed.
         for p in procs:
@@ -112,6 +112,8 @@ def launch(num_hosts: int, devices_per_host: int, command: list[str], out=sys.st
         for p in procs:
             p.wait()
     time.sleep(0.2)  # let the output threads drain
+    if previous is not None:
+        signal.signal(signal.SIGTERM, previous)
     if failed is None:
         return 0
     host, code = failed

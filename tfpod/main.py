@@ -168,10 +168,10 @@ def main(argv) -> None:
     if len(argv) > 1:
         print(f"error: unexpected arguments {argv[1:]}: pass settings as --flags or --gin_param", file=sys.stderr)
         sys.exit(2)
-    setup_logging(verbose=FLAGS.verbosity >= 1)
-    from tfpod import checkpoint
+    from tfpod import preemption
 
-    checkpoint.catch_sigterm()  # a preemption notice at any point ends the run with status 0
+    preemption.catch_sigterm()  # first, before TensorFlow loads: a preemption notice at any point ends with status 0
+    setup_logging(verbose=FLAGS.verbosity >= 1)
     try:
         from tfpod import runtime
 

@@ -11,13 +11,14 @@ import contextlib
 import dataclasses
 import logging
 import os
+import re
 from typing import Callable
 
 import numpy as np
 import tensorflow as tf
 from tensorflow.experimental import dtensor
 
-from tfpod import UserError
+from tfpod import UserError, preemption
 
 log = logging.getLogger("tfpod")
 
@@ -161,6 +162,7 @@ def initialize(cpu_devices: int | None = None, device_type: str | None = None) -
     if device_type == "CPU" and cpu_devices:
         kwargs["num_logical_cpu_devices"] = cpu_devices
     dtensor.initialize_accelerator_system(device_type, **kwargs)
+    preemption.reinstall()  # TensorFlow's multi-client runtime took SIGTERM over in C++
     local = len(dtensor.local_devices(device_type))
     _INFO = RuntimeInfo(
         device_type=device_type,
@@ -195,9 +197,7 @@ def lost_host_message(error: BaseException, checkpoint: str | None) -> str | Non
     """
     if info().num_clients < 2:
         return None
-    import re
-
-    text = re.sub(r"\{\{function_node [^}]*\}\}\s*", "", str(error))
+    text = error_text(error)
     tasks = sorted({int(t) for t in re.findall(r"/task:(\d+)", text)} - {info().client_id})
     cause = " ".join(text.strip().splitlines()[0].split())[:200] if text.strip() else type(error).__name__
     who = f"host {tasks[0]}" if tasks else "another host"
@@ -205,6 +205,21 @@ def lost_host_message(error: BaseException, checkpoint: str | None) -> str | Non
         f"lost {who} of {info().num_clients} ({cause}): host {info().client_id} stops too; the last complete "
         f"checkpoint ({checkpoint or 'none yet'}) is intact: relaunch the same command on every host to resume"
     )
+
+
+def error_text(error: BaseException) -> str:
+    """A TensorFlow error's message without its `{{function_node ...}}` prefixes."""
+    return re.sub(r"\{\{function_node [^}]*\}\}\s*", "", str(error)).strip() or type(error).__name__
+
+
+def error_cause(error: BaseException) -> str:
+    """A TensorFlow error's first root cause that is not a cancellation ("4 root error(s) found"
+    leads a list in which the others were cancelled by it), without function-node prefixes."""
+    text = error_text(error)
+    for code, message in re.findall(r"^\s*\(\d+\) ([A-Z_]+): (.*)$", text, re.M):
+        if code != "CANCELLED":
+            return message.strip()
+    return text.strip().splitlines()[0]
 
 
 @contextlib.contextmanager
