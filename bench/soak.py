@@ -137,8 +137,10 @@ def main() -> int:
     t_start, kills, sigterms, launches, failure = time.time(), 0, 0, 0, None
     while True:
         launches += 1
-        proc = subprocess.Popen(main_command(args, run_dir, eval_file), cwd=ROOT, stdout=subprocess.DEVNULL,
-                                stderr=subprocess.PIPE, text=True, start_new_session=True)
+        output = open(os.path.join(args.out, f"launch-{launches}.log"), "w+")  # a file: a pipe could fill and block
+        proc = subprocess.Popen(main_command(args, run_dir, eval_file), cwd=ROOT, stdout=output,
+                                stderr=subprocess.STDOUT, text=True, start_new_session=True)
+        read = lambda: (proc.wait(), output.seek(0), output.read())[2]
         soaking = time.time() - t_start < args.seconds
         deadline = time.time() + rng.uniform(args.min_gap, args.max_gap)
         while proc.poll() is None and (not soaking or time.time() < deadline):
@@ -148,10 +150,13 @@ def main() -> int:
             if rng.random() < args.sigterm_fraction:
                 sigterms += 1
                 proc.send_signal(signal.SIGTERM)  # (the launcher passes it to every host)
-                _, err = proc.communicate()
+                out = read()
                 log(f"launch {launches}: SIGTERM near step {step}: exit {proc.returncode}")
                 if proc.returncode != 0:
-                    failure = f"a SIGTERM'd launch exited {proc.returncode}: {err.strip().splitlines()[-1:]}"
+                    failure = f"a SIGTERM'd launch exited {proc.returncode}: {out.strip().splitlines()[-1:]}"
+                    break
+                if out.count("preempted: ") < args.hosts:  # every host saved and stopped (none trained on)
+                    failure = f"a SIGTERM'd launch did not stop on every host: {out.strip().splitlines()[-1:]}"
                     break
             else:
                 kills += 1
@@ -160,9 +165,9 @@ def main() -> int:
                 proc.communicate()
                 log(f"launch {launches}: SIGKILL near step {step}")
             continue
-        _, err = proc.communicate()
+        out = read()
         if proc.returncode != 0:
-            failure = f"launch {launches} exited {proc.returncode}: {err.strip().splitlines()[-1:]}"
+            failure = f"launch {launches} exited {proc.returncode}: {out.strip().splitlines()[-1:]}"
         break
     seconds = time.time() - t_start
 

@@ -273,8 +273,10 @@ def test_bad_rules_stop_with_one_line(mesh42):
 
 
 def text_model():
+    from official.nlp.modeling.layers import OnDeviceEmbedding
+
     ids = tf_keras.Input((12,), dtype="int32")
-    x = tf_keras.layers.Embedding(48, 8, name="embed")(ids)
+    x = tf_keras.layers.Embedding(48, 8, name="embed")(ids) + OnDeviceEmbedding(48, 8, name="mg_embed")(ids)
     x = tf_keras.layers.SeparableConv1D(8, 3, padding="causal", name="sep1d")(x)
     x = tf_keras.layers.DepthwiseConv1D(3, padding="same", depth_multiplier=2, name="dw1d")(x)
     x = tf_keras.layers.GlobalAveragePooling1D()(x)
@@ -301,7 +303,7 @@ def test_embeddings_and_depthwise_convolutions_train_like_unsharded(mesh42, kind
     build, x = ((text_model, rng.randint(0, 48, (64, 12)).astype("int32")) if kind == "text" else
                 (image_model, rng.randn(64, 9, 9, 3).astype("float32")))
     y = rng.randint(0, CLASSES, (64,)).astype("int32")
-    rules = {r"embed\.embeddings": ("vocab", "embed")} if kind == "text" else None
+    rules = {r"(mg_)?embed\.embeddings": ("vocab", "embed")} if kind == "text" else None
     optimizer = (lambda: tf_keras.optimizers.Adam(1e-2)) if kind == "text" else (
         lambda: tf_keras.optimizers.legacy.SGD(0.1, momentum=0.9))
     tf_keras.utils.set_random_seed(0)
@@ -314,8 +316,9 @@ def test_embeddings_and_depthwise_convolutions_train_like_unsharded(mesh42, kind
     swapped = {layer.name: type(layer).__module__ for layer in model.layers}
     assert all(swapped[n] == "tfpod.keras.layers" for n in swapped if n in ("sep1d", "dw1d", "dw2d", "sep2d"))
     if kind == "text":
-        assert specs(model)["embed/embeddings"] == ("model", dtensor.UNSHARDED)
+        assert specs(model)["embed/embeddings"] == specs(model)["mg_embed/embeddings"] == ("model", dtensor.UNSHARDED)
         assert swapped["embed"] == "tfpod.keras.layers"  # OneHotEmbedding: DTensor's gather needs whole rows
+        assert model.get_layer("mg_embed")._use_one_hot  # Model Garden's own one-hot mode
     train = batches(x, y, batch=16, drop_remainder=True)
     sharded = model.fit(tk.to_mesh(train, mesh42), epochs=3, verbose=0).history
     reference = plain.fit(train, epochs=3, verbose=0).history

@@ -20,6 +20,7 @@ SEQ, IMG, VOL, IDS = (6, 5), (8, 8, 3), (4, 4, 4, 2), (6,)
 LAYERS = {
     "Dense": (SEQ, lambda: L.Dense(4), None),
     "Embedding": (IDS, lambda: L.Embedding(20, 4), None),
+    "OnDeviceEmbedding": (IDS, "mg_embedding", None),
     "Conv1D": (SEQ, lambda: L.Conv1D(4, 3, padding="causal"), None),
     "Conv2D": (IMG, lambda: L.Conv2D(4, 3, strides=2, padding="same"), None),
     "Conv3D": (VOL, lambda: L.Conv3D(2, 3, padding="same"), None),
@@ -52,7 +53,14 @@ def build(shape, make):
         inputs = tf_keras.Input(shape, dtype="int32")
     else:
         inputs = tf_keras.Input(shape)
-    x = L.MultiHeadAttention(2, 4)(inputs, inputs) if make == "attention" else make()(inputs)
+    if make == "attention":
+        x = L.MultiHeadAttention(2, 4)(inputs, inputs)
+    elif make == "mg_embedding":  # Model Garden's (BertEncoderV2's word embedding)
+        from official.nlp.modeling.layers import OnDeviceEmbedding
+
+        x = OnDeviceEmbedding(20, 4)(inputs)
+    else:
+        x = make()(inputs)
     return tf_keras.Model(inputs, L.Dense(3)(L.Flatten()(x)))
 
 

@@ -336,6 +336,10 @@ def test_reruns_that_cannot_go_on_write_nothing(tmp_path):
         run(["gin/lm_tiny.gin"], small + ["gpt.embed_dim=64", "train.steps=4"], d, mesh_spec="data:8")
     with pytest.raises(UserError, match="gpt.num_heads=7"):
         run(["gin/lm_tiny.gin"], small + ["gpt.num_heads=7"], d, mesh_spec="data:8")
+    # Failures after the model is built, before training: config.gin and layouts.txt stay the old run's.
+    with pytest.raises(UserError, match="SentencePiece vocabulary .*missing.model does not exist"):
+        run(["gin/lm_tiny.gin"], small + ["train.steps=4", "train.synthetic_data=False",
+                                          f"lm_data.vocab_path='{tmp_path / 'missing.model'}'"], d, mesh_spec="data:8")
     assert saved() == before  # nothing written over, nothing added
 
 
@@ -349,17 +353,29 @@ def test_batch_must_divide_over_the_hosts_and_the_data_axis_over_the_hosts():
 
 
 @pytest.mark.parametrize(
-    "params,needle",
+    "params,mesh,needle",
     [
-        (["train.on_nonfinite='ignore'"], "train.on_nonfinite='ignore': use one of stop, skip, rollback"),
-        (["train.max_nonfinite=0"], "train.max_nonfinite=0 must be at least 1"),
-        (["train.no_such_knob=1"], "gin config: Configurable 'train' doesn't have a parameter named 'no_such_knob'"),
+        (["train.on_nonfinite='ignore'"], "data:8", "train.on_nonfinite='ignore': use one of stop, skip, rollback"),
+        (["train.max_nonfinite=0"], "data:8", "train.max_nonfinite=0 must be at least 1"),
+        (["train.no_such_knob=1"], "data:8", "gin config: Configurable 'train' doesn't have a parameter named 'no_such_knob'"),
+        # Types: 'abc' failed deep in a comparison; 6.5 trained, saved ckpt-6 and died in a TypeError.
+        (["train.steps='abc'"], "data:8", "train.steps='abc' is a str, but it must be int (default: 100)"),
+        (["train.steps=6.5"], "data:8", "train.steps=6.5 is a float, but it must be int (default: 100)"),
+        (["STEPS = 7.5", "train.steps=%STEPS"], "data:8", "train.steps=7.5 is a float, but it must be int"),
+        (["sharding.rules={'mlp': 3}"], "data:8", "sharding.rules={'mlp': 3} is a dict, but it must be dict of str to "
+                                                   "(str or None) or None"),
+        (["lm_data.shuffle_buffer=True"], "data:8", "lm_data.shuffle_buffer=True is a bool, but it must be int"),
+        # A mesh axis no rule uses: every weight replicated, half the devices repeating the other half.
+        ([], "data:4,modle:2", "mesh axis 'modle' (size 2) is used by no rule of preset 'tensor' (its mesh axes: "
+                               "'data', 'expert', 'model')"),
+        (["sharding.preset='data'"], "data:4,model:2", "mesh axis 'model' (size 2) is used by no rule of preset 'data'"),
     ],
 )
-def test_bad_settings_are_one_line(tmp_path, params, needle):
+def test_bad_settings_are_one_line(tmp_path, params, mesh, needle):
     with pytest.raises(UserError) as e:
-        run(["gin/lm_tiny.gin"], params + ["train.synthetic_data=True"], str(tmp_path), mesh_spec="data:8")
+        run(["gin/lm_tiny.gin"], params + ["train.synthetic_data=True"], str(tmp_path), mesh_spec=mesh)
     assert needle in str(e.value) and "\n" not in str(e.value)
+    assert not os.listdir(tmp_path)  # nothing written
 
 
 def test_unwritable_model_dir_is_one_line(tmp_path):
