@@ -37,11 +37,13 @@ def pipeline_rate(num_hosts: int, host_id: int, seconds: float, host_rows: int, 
     buffers held at the start is a small part of the count.
     """
     import tfpod  # noqa: F401
-    from tfpod.input import pipeline
+    from tfpod.input import lm_data
+    from tfpod.input.common import ShardInfo
 
-    data = pipeline.LMDataConfig(vocab_size=vocab_size)
-    where = pipeline.resolve(data)
-    ds = pipeline.lm_dataset(data, where.train_files, where.vocab_path, seq_len, host_rows, num_hosts, host_id, 0)
+    data = lm_data.LMDataConfig(vocab_size=vocab_size)
+    where = lm_data.resolve(data)
+    ds = lm_data.lm_dataset(data, where.train_files, where.vocab_path, seq_len, host_rows,
+                            ShardInfo(host_id, num_hosts), 0)
     it = iter(ds)
     end = time.perf_counter() + 3.0
     while time.perf_counter() < end:

@@ -7,8 +7,8 @@
 Each preset runs in its own process: a fresh TensorFlow runtime with 8 logical CPU
 devices, so the process's peak RSS (`ru_maxrss`) belongs to that preset alone. The
 process builds gpt_small's Trainer (tfpod.trainer.Trainer with the preset's
-`ShardingConfig.trainer_args`) and reports, from the variables' layouts
-(`sharding.bytes_per_device`):
+`Placement`) and reports, from the variables' layouts
+(`partitioning.bytes_per_device`):
 
   params         model weights one device holds
   slots          optimizer slots one device holds (AdamW `m`, `v`: `<weight>/<slot>`)
@@ -101,15 +101,17 @@ def measure(args) -> dict:
     from tfpod import runtime
 
     runtime.initialize(cpu_devices=args.cpu_devices, device_type="CPU")
-    from tfpod import mesh as meshlib, optimizers, sharding, trainer as trainer_lib
+    from tfpod import api, controller, mesh as meshlib, optimizers, partitioning
     from tfpod.models import gpt
 
     rss_runtime = _peak_rss_bytes()
     mesh = meshlib.make_mesh(args.mesh)
     devices = mesh.size
-    placement = sharding.ShardingConfig(preset=args.preset, sequence_parallel=False).trainer_args(gpt.DEFAULT_PRESET)
+    placement = partitioning.Placement.from_config(
+        partitioning.ShardingConfig(preset=args.preset, sequence_parallel=False), gpt.TASK.default_preset, mesh,
+        check=False)
     model_cfg = gpt.GPTConfig(**{**GPT_SMALL, "num_layers": args.num_layers}, seq_len=args.seq_len)
-    train_cfg = trainer_lib.TrainConfig(
+    train_cfg = controller.TrainConfig(
         steps=1 + args.steps, global_batch_size=args.global_batch, seed=0, steps_per_loop=1, log_every=1,
         checkpoint_every=10**9, synthetic_data=True, precision=args.precision,
     )
@@ -117,17 +119,18 @@ def measure(args) -> dict:
     opt_cfg = optimizers.OptimizerConfig(learning_rate=6e-4, warmup_steps=0, beta_2=0.95)
 
     with tempfile.TemporaryDirectory() as model_dir:
-        t = trainer_lib.Trainer(gpt, model_cfg, train_cfg, opt_cfg, mesh, model_dir=model_dir, **placement)
+        run = api.controller(gpt.TASK, model_cfg, train_cfg, opt_cfg, placement, model_dir)
+        t = run.trainer
         params, by_kind = 0, {}
         params_global = 0
         for s in t.specs:
-            b = sharding.bytes_per_device(s.shape, s.dtype, t.layouts[s.name])
+            b = partitioning.bytes_per_device(s.shape, s.dtype, t.layouts[s.name])
             params += b
             by_kind[_kind(s.name)] = by_kind.get(_kind(s.name), 0) + b
             params_global += int(_prod(s.shape)) * s.dtype.size
         slots = copies = 0
         for s in t.state_specs:
-            b = sharding.bytes_per_device(s.shape, s.dtype, t.state_layouts[s.name])
+            b = partitioning.bytes_per_device(s.shape, s.dtype, t.state_layouts[s.name])
             if s.name.endswith("/update_shard"):
                 copies += b
             else:
@@ -135,8 +138,8 @@ def measure(args) -> dict:
         rss_built = _peak_rss_bytes()
         memory = {
             "mesh": ",".join(f"{n}:{mesh.dim_size(n)}" for n in mesh.dim_names),
-            "update_axis": placement["update_axis"],
-            "gather_axis": placement["gather_axis"],
+            "update_axis": placement.update_axis,
+            "gather_axis": placement.gather_axis,
             "param_bytes_per_device": params,
             "param_bytes_per_device_by_kind": by_kind,
             "slot_bytes_per_device": slots,
@@ -152,17 +155,18 @@ def measure(args) -> dict:
             "devices": devices,
         }
         print(json.dumps(memory), flush=True)  # the parent keeps these if training fails
-        t.checkpoints.save = lambda: None  # the end-of-run checkpoint is not measured
-        loop, rss_after_step = t._train_loop, []
+        run.checkpoints.save = lambda **kwargs: None  # the end-of-run checkpoint is not measured
+        run.checkpoints.check_finite = lambda: None
+        loop, rss_after_step = t.train_loop, []
 
         def loop_and_rss(*a, **kw):  # the process's RSS after each call: compile peak vs. steady state
             result = loop(*a, **kw)
             rss_after_step.append(_rss_bytes(os.getpid()))
             return result
 
-        t._train_loop = loop_and_rss
+        t.train_loop = loop_and_rss
         t0, t0_wall = time.perf_counter(), time.time()
-        out = t.train()
+        out = run.train()
         train_wall = time.perf_counter() - t0
         records = [json.loads(line) for line in open(os.path.join(model_dir, "metrics.jsonl"))]
     records = [r for r in records if r["kind"] == "train"]

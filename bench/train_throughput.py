@@ -82,18 +82,18 @@ MODELS = {
 
 
 def model_config(args):
-    """(task module, its config) for --model, --seq_len and --num_layers."""
+    """(task, its model config) for --model, --seq_len and --num_layers."""
     from tfpod import models  # noqa: F401
     from tfpod.models import bert, gpt, resnet
 
     if args.model == "gpt_small":
-        return gpt, gpt.GPTConfig(vocab_size=50304, num_layers=args.num_layers or 12, embed_dim=768, num_heads=12,
+        return gpt.TASK, gpt.GPTConfig(vocab_size=50304, num_layers=args.num_layers or 12, embed_dim=768, num_heads=12,
                                   mlp_dim=3072, seq_len=args.seq_len, dropout=0.0)
     if args.model == "bert_base":
-        return bert, bert.BertConfig(seq_len=args.seq_len, max_predictions=20, num_layers=args.num_layers or 12,
+        return bert.TASK, bert.BertConfig(seq_len=args.seq_len, max_predictions=20, num_layers=args.num_layers or 12,
                                      hidden_size=768, num_heads=12, intermediate_size=3072, dropout=0.0,
                                      attention_dropout=0.0)
-    return resnet, resnet.ResNetConfig(depth=50, image_size=224, num_classes=1000)
+    return resnet.TASK, resnet.ResNetConfig(depth=50, image_size=224, num_classes=1000)
 
 
 def optimizer_config(args):
@@ -128,12 +128,12 @@ def plain_keras_model(task, cfg):
 
     layers = tf_keras.layers
     init = lambda: tf_keras.initializers.TruncatedNormal(stddev=0.02)
-    if task.NAME == "resnet":
+    if task.name == "resnet":
         images = tf_keras.Input([cfg.image_size, cfg.image_size, 3], name="images")
         net = tf_keras.applications.ResNet50(weights=None, input_tensor=images, classes=cfg.num_classes,
                                              classifier_activation=None)
         return tf_keras.Model({"images": images}, net.output)
-    if task.NAME == "bert":
+    if task.name == "bert":
         return _plain_keras_bert(cfg, init)
 
     class TiedOutput(layers.Layer):
@@ -235,21 +235,23 @@ def model_garden_model(task, cfg):
     import tf_keras
     from official.nlp.modeling import layers as mg_layers
 
-    if task.NAME == "resnet":
-        from tfpod import fused
+    from tfpod import compat, fused
+    from tfpod.models import gpt
+
+    if task.name == "resnet":
 
         model = task.build(cfg)
-        for layer in model._flatten_layers():
+        for layer in compat.flatten_layers(model):
             if type(layer) is fused.BatchNormalization:
                 layer.__class__, layer.fused = tf_keras.layers.BatchNormalization, True
         return model
     init = lambda: tf_keras.initializers.TruncatedNormal(stddev=cfg.init_stddev)
-    if task.NAME == "bert":
+    if task.name == "bert":
         return _model_garden_bert(task, cfg, init)
 
     class CausalMask(tf_keras.layers.Layer):
         def call(self, ids):
-            return task.causal_mask(ids)
+            return gpt.causal_mask(ids)
 
     class TiedOutput(tf_keras.layers.Layer):
         def __init__(self, embedding, **kwargs):
@@ -280,7 +282,9 @@ def _model_garden_bert(task, cfg, init):
     from official.nlp.modeling import models as mg_models
     from official.nlp.modeling import networks as mg_networks
 
-    activation = task._activation(cfg.activation)
+    from tfpod.models import bert
+
+    activation = bert._activation(cfg.activation)
     encoder = mg_networks.BertEncoderV2(
         vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, num_layers=cfg.num_layers,
         num_attention_heads=cfg.num_heads, max_sequence_length=cfg.seq_len, type_vocab_size=cfg.type_vocab_size,
@@ -308,7 +312,7 @@ def keras_adapter(task, cfg):
     import tensorflow as tf
     import tf_keras
 
-    name = task.NAME
+    name = task.name
     if name == "gpt":
         return (lambda b: ({"inputs": b["inputs"]}, b["targets"], b["weights"]),
                 tf_keras.losses.SparseCategoricalCrossentropy(from_logits=True))
@@ -384,7 +388,6 @@ def run_keras_fit(args, plain: bool = True) -> dict:
 def run_model_garden(args) -> dict:
     """tf-models-official's base_trainer.Trainer under orbit.Controller."""
     import orbit
-    import tensorflow as tf
     from official.core import base_task, base_trainer, config_definitions
 
     task, cfg = model_config(args)
@@ -426,37 +429,41 @@ def run_model_garden(args) -> dict:
 
 
 def run_tfpod(args) -> dict:
-    """tfpod's Trainer on the mesh; the rate from metrics.jsonl records after the warm-up."""
+    """tfpod's Trainer and Controller on the mesh; the rate from metrics.jsonl records after the warm-up."""
     from tfpod import runtime
 
     runtime.initialize(cpu_devices=args.cpu_devices, device_type=None if args.device else "CPU")
-    from tfpod import mesh as meshlib, sharding, trainer as trainer_lib
+    from tfpod import api, controller, mesh as meshlib, partitioning
+    from tfpod.input.common import ShardInfo
 
     task, cfg = model_config(args)
     mesh = meshlib.make_mesh(args.mesh)
     rules = {k: (None if v.lower() == "none" else v) for k, v in (r.split("=") for r in args.rules.split(",") if r)}
-    placement = sharding.ShardingConfig(preset=args.preset, rules=rules).trainer_args(task.DEFAULT_PRESET)
-    train_cfg = trainer_lib.TrainConfig(
+    placement = partitioning.Placement.from_config(partitioning.ShardingConfig(preset=args.preset, rules=rules),
+                                                   task.default_preset, mesh, check=False)
+    train_cfg = controller.TrainConfig(
         steps=args.warmup + args.steps, global_batch_size=args.global_batch, seed=0,
         steps_per_loop=args.steps_per_loop, log_every=args.steps_per_loop, checkpoint_every=10**9,
         synthetic_data=True, precision=args.precision, peak_flops=1.0,  # MFU is computed here, not by the trainer
     )
     with tempfile.TemporaryDirectory() as model_dir:
-        trainer = trainer_lib.Trainer(task, cfg, train_cfg, optimizer_config(args), mesh, model_dir=model_dir,
-                                      **placement)
-        trainer.checkpoints.save = lambda: None  # the final checkpoint is not part of the rate
-        dataset_fn = None
+        run = api.controller(task, cfg, train_cfg, optimizer_config(args), placement, model_dir)
+        # the final checkpoint is not part of the rate
+        run.checkpoints.save = lambda **kwargs: None
+        run.checkpoints.check_finite = lambda: None
+        feed = None
         if args.worker == "tfpod_real_input":  # the task's real pipeline on its default (prepared) demo data
-            info = trainer.info
-            dataset_fn = task.make_input(task.DataConfig(), cfg, info.num_clients, info.client_id, 0).train
-        out = trainer.train(dataset_fn)
-        if not trainer.is_chief:  # host 0 alone writes metrics.jsonl
-            return {"host": trainer.info.client_id, "traces": trainer.traces}
+            info = run.info
+            task_input = task.make_input(task.data_config_class(), cfg, ShardInfo(info.client_id, info.num_clients), 0)
+            feed = run.dataset_feed(task_input)
+        out = run.train(feed)
+        if not run.is_chief:  # host 0 alone writes metrics.jsonl
+            return {"host": run.info.client_id, "traces": run.trainer.traces}
         records = [json.loads(line) for line in open(os.path.join(model_dir, "metrics.jsonl"))]
     times = {r["step"]: r["time"] for r in records if r["kind"] == "train"}
     result = _rate(args, task, cfg, times[args.warmup], times[args.warmup + args.steps], loss=out["losses"][-1])
-    result["traces"] = trainer.traces
-    result["parameters"] = int(sum(v.shape.num_elements() for v in trainer.model.trainable_variables))
+    result["traces"] = run.trainer.traces
+    result["parameters"] = int(sum(v.shape.num_elements() for v in run.trainer.model.trainable_variables))
     return result
 
 

@@ -80,7 +80,6 @@ def main() -> int:
 
     try:
         runtime.initialize(cpu_devices=args.cpu_devices)
-        import numpy as np
         import tensorflow as tf
         import tf_keras
 

@@ -1,12 +1,17 @@
 """tfpod.input: each host's tf.data pipeline, and the feed of its batches to the mesh.
 
-  prepare   the default corpus (Python stdlib source) -> TFRecord shards + SentencePiece
+  common    what every task's input shares: ShardInfo, TaskInput, host_shard, checks
+  records   one host's record pipeline: the skeleton every task's input plugs into
   files     host_files: this host's balanced part of the files
+  demo      demo data sets, prepared on first use and cached
+  prepare   the default corpus (Python stdlib source) -> TFRecord shards + SentencePiece
   text      tokenization (tensorflow-text), packing, MLM masking: the data contract
-  pipeline  files -> tokens -> packed host batches, for the LM
-  feed      host batch -> batch-sharded DTensor over the global mesh
+  lm_data, bert_data, translation, images
+            each task's input: its data config and its TaskInput
   mesh_dataset  to_mesh: a tf.data.Dataset of global batches -> batch-sharded DTensors
             for Keras fit (imported on first use: it loads TensorFlow)
+
+Host batches reach the mesh through tfpod.feeding and tfpod.partitioning.Placement.
 """
 
 from tfpod.input.files import host_files

@@ -36,13 +36,13 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 
 import tensorflow as tf
 
 from tfpod import UserError
-from tfpod.input import files as files_lib
-from tfpod.input import pipeline, prepare, text
+from tfpod.input import files as files_lib, lm_data, prepare, records, text
+from tfpod.input.common import (ShardInfo, TaskInput, corrupt_finder, file_identity, first_example, host_shard,
+                                stream_source)
 
 log = logging.getLogger("tfpod")
 
@@ -113,7 +113,7 @@ class BertDataConfig:
 
 def _first_example(path: str) -> tf.train.Example:
     """The first record of a file, parsed (to check names and shapes before training)."""
-    return pipeline.first_example(path, "replace it, or set bert_data.format='text' for documents",
+    return first_example(path, "replace it, or set bert_data.format='text' for documents",
                                   "write the data with create_pretraining_data.py")
 
 
@@ -170,8 +170,8 @@ def _record_spec(names: dict[str, str], seq_len: int, max_predictions: int) -> d
     return spec
 
 
-def records_dataset(cfg: BertDataConfig, pattern: str, model_config, host_rows: int, num_hosts: int, host_id: int,
-                    seed: int, repeat: bool) -> tf.data.Dataset:
+def records_dataset(cfg: BertDataConfig, pattern: str, model_config, host_rows: int, shard: ShardInfo, seed: int,
+                    repeat: bool) -> tf.data.Dataset:
     """This host's batches of create_pretraining_data.py records.
 
     Returns:
@@ -180,8 +180,8 @@ def records_dataset(cfg: BertDataConfig, pattern: str, model_config, host_rows: 
       max_predictions] float32; next_sentence_labels: [rows] int32}, rows = host_rows
       (when not repeating, the last batch may be shorter).
     """
-    shard = _host_shard(pattern, num_hosts, host_id, seed)
-    names = record_features(shard.files[0], model_config.seq_len, model_config.max_predictions,
+    plan = host_shard(pattern, shard, seed)
+    names = record_features(plan.files[0], model_config.seq_len, model_config.max_predictions,
                             model_config.vocab_size)
     spec = _record_spec(names, model_config.seq_len, model_config.max_predictions)
 
@@ -192,24 +192,11 @@ def records_dataset(cfg: BertDataConfig, pattern: str, model_config, host_rows: 
         out["next_sentence_labels"] = tf.reshape(out["next_sentence_labels"], [])
         return out
 
-    ds = tf.data.Dataset.from_tensor_slices(list(shard.files))
+    ds = records.read(plan, seed, repeat, cfg.cycle_length, cfg.skip_corrupt)
     if repeat:
-        ds = ds.shuffle(len(shard.files), seed=seed, reshuffle_each_iteration=True).repeat()
-    ds = ds.interleave(lambda f: _records(f, cfg), cycle_length=cfg.cycle_length,
-                       num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
-    if shard.record_shard:
-        ds = ds.shard(num_hosts, host_id)
-    if repeat and cfg.shuffle_buffer:
-        ds = ds.shuffle(cfg.shuffle_buffer, seed=seed + 1)
+        ds = records.shuffled(ds, cfg.shuffle_buffer, seed)
     ds = ds.map(parse, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
-    return _finish(ds, cfg, host_rows, num_hosts, host_id, repeat)
-
-
-def _records(path: tf.Tensor, cfg: BertDataConfig) -> tf.data.Dataset:
-    records = tf.data.TFRecordDataset(path)
-    if cfg.skip_corrupt:
-        records = records.apply(tf.data.experimental.ignore_errors(log_warning=True))
-    return records
+    return _finish(ds, cfg, host_rows, shard, repeat)
 
 
 # ---------------------------------------------------------------------------
@@ -257,15 +244,15 @@ def _document_segments(docs: tf.data.Dataset, length: int) -> tf.data.Dataset:
     return docs.flat_map(cut).map(lambda s: tf.boolean_mask(s, s >= 0))
 
 
-def text_dataset(cfg: BertDataConfig, pattern: str, vocab_path: str, model_config, host_rows: int, num_hosts: int,
-                 host_id: int, seed: int, repeat: bool) -> tf.data.Dataset:
+def text_dataset(cfg: BertDataConfig, pattern: str, vocab_path: str, model_config, host_rows: int, shard: ShardInfo,
+                 seed: int, repeat: bool) -> tf.data.Dataset:
     """This host's batches of documents masked online (the batch contract, without
     next_sentence_labels); see the module docstring."""
     seq_len = model_config.seq_len
     if seq_len < 4:
         raise UserError(f"bert.seq_len={seq_len} is too short for online masking: [CLS] and [SEP] leave "
                         f"{seq_len - 2} token(s); use at least 4")
-    shard = _host_shard(pattern, num_hosts, host_id, seed)
+    plan = host_shard(pattern, shard, seed)
     tokenizer = text.load_tokenizer(vocab_path)
     vocab = int(tokenizer.vocab_size())
     if vocab > model_config.vocab_size:
@@ -274,14 +261,13 @@ def text_dataset(cfg: BertDataConfig, pattern: str, vocab_path: str, model_confi
             f"set bert.vocab_size >= {vocab} or use a smaller vocabulary"
         )
     ids = special_ids(tokenizer, vocab_path)
-    doc_cfg = pipeline.LMDataConfig(format="auto", text_feature=cfg.text_feature, cycle_length=cfg.cycle_length,
+    doc_cfg = lm_data.LMDataConfig(format="auto", text_feature=cfg.text_feature, cycle_length=cfg.cycle_length,
                                     skip_corrupt=cfg.skip_corrupt)
-    documents = pipeline.documents(shard, doc_cfg, seed, repeat, tfrecord_fix="name TFRecord files *.tfrecord*")
+    documents = lm_data.documents(plan, doc_cfg, seed, repeat, tfrecord_fix="name TFRecord files *.tfrecord*")
     docs = text.tokenize(documents, tokenizer, eos_id=prepare.EOS_ID)
     if repeat:
         segments = _segments(docs, seq_len - 2)
-        if cfg.shuffle_buffer:
-            segments = segments.shuffle(cfg.shuffle_buffer, seed=seed + 1)
+        segments = records.shuffled(segments, cfg.shuffle_buffer, seed)
     else:
         segments = _document_segments(docs, seq_len - 2)
     ds = text.mask_for_mlm(
@@ -289,67 +275,52 @@ def text_dataset(cfg: BertDataConfig, pattern: str, vocab_path: str, model_confi
         pad_id=prepare.PAD_ID, max_predictions=model_config.max_predictions, mask_rate=cfg.mask_rate,
         seed=seed + 2 if repeat else EVAL_MASK_SEED,
     )
-    return _finish(ds, cfg, host_rows, num_hosts, host_id, repeat)
+    return _finish(ds, cfg, host_rows, shard, repeat)
 
 
 # ---------------------------------------------------------------------------
 # common
 
 
-def _host_shard(pattern: str, num_hosts: int, host_id: int, seed: int) -> files_lib.HostShard:
-    shard = files_lib.plan(pattern, num_hosts, host_id, seed)
-    for f in shard.files:
-        if tf.io.gfile.stat(f).length == 0:
-            raise UserError(f"input file {f} is empty: remove it from the pattern or write data into it")
-    log.info("input: host %d of %d reads %d file(s): %s", host_id, num_hosts, len(shard.files),
-             ",".join(os.path.basename(f) for f in shard.files))
-    return shard
+def _finish(ds: tf.data.Dataset, cfg: BertDataConfig, host_rows: int, shard: ShardInfo, repeat: bool) -> tf.data.Dataset:
+    """Eval cap, then host batches (records.batched)."""
+    if not repeat:
+        ds = records.host_share(ds, cfg.max_eval_examples, shard)
+    return records.batched(ds, host_rows, repeat)
 
 
-def _finish(ds: tf.data.Dataset, cfg: BertDataConfig, host_rows: int, num_hosts: int, host_id: int,
-            repeat: bool) -> tf.data.Dataset:
-    """Eval cap, host batches (training: drop the remainder), determinism, prefetch."""
-    if not repeat and cfg.max_eval_examples is not None:
-        base, extra = divmod(cfg.max_eval_examples, num_hosts)
-        ds = ds.take(base + (1 if host_id < extra else 0))
-    ds = ds.batch(host_rows, drop_remainder=repeat)
-    options = tf.data.Options()
-    options.deterministic = True
-    return ds.with_options(options).prefetch(tf.data.AUTOTUNE)
-
-
-def bert_input(cfg: BertDataConfig, model_config, num_hosts: int, host_id: int, seed: int) -> pipeline.TaskInput:
+def bert_input(cfg: BertDataConfig, model_config, shard: ShardInfo, seed: int) -> TaskInput:
     """BERT's input (see the module docstring): prepares the default corpus on first use."""
     if cfg.masked_online:
         if model_config.next_sentence:
             raise UserError("bert.next_sentence=True needs next_sentence_labels, which online-masked text has not: "
                             "set bert.next_sentence=False, or read create_pretraining_data.py records "
                             "(bert_data.train_files, bert_data.format='records')")
-        where = pipeline.resolve(pipeline.LMDataConfig(train_files=cfg.train_files, eval_files=cfg.eval_files,
+        where = lm_data.resolve(lm_data.LMDataConfig(train_files=cfg.train_files, eval_files=cfg.eval_files,
                                                        vocab_path=cfg.vocab_path, vocab_size=cfg.vocab_size,
                                                        data_dir=cfg.data_dir))
         train, evals = where.train_files, where.eval_files
 
         def dataset(files, repeat):
-            return lambda host_rows: text_dataset(cfg, files, where.vocab_path, model_config, host_rows, num_hosts,
-                                                  host_id, seed, repeat)
+            return lambda host_rows: text_dataset(cfg, files, where.vocab_path, model_config, host_rows, shard, seed,
+                                                  repeat)
     else:
         train, evals = cfg.train_files, cfg.eval_files
         for pattern in (train, evals):  # names and shapes checked before the model is built
             if pattern:
-                record_features(files_lib.host_files(pattern, num_hosts, host_id, seed)[0], model_config.seq_len,
+                record_features(files_lib.host_files(pattern, shard.num_shards, shard.index, seed)[0], model_config.seq_len,
                                 model_config.max_predictions, model_config.vocab_size)
 
         def dataset(files, repeat):
-            return lambda host_rows: records_dataset(cfg, files, model_config, host_rows, num_hosts, host_id, seed,
+            return lambda host_rows: records_dataset(cfg, files, model_config, host_rows, shard, seed,
                                                      repeat)
 
     derived = dict(seq_len=model_config.seq_len, max_predictions=model_config.max_predictions)
     if cfg.masked_online:
-        derived["vocab"] = pipeline.file_identity(where.vocab_path)
-    return pipeline.TaskInput(
+        derived["vocab"] = file_identity(where.vocab_path)
+    return TaskInput(
         train=dataset(train, True),
         eval=dataset(evals, False) if evals else None,
-        find_corrupt=lambda: pipeline.find_corrupt(files_lib.plan(train, num_hosts, host_id, seed).files),
-        source=pipeline.stream_source(cfg, "bert_data", train, num_hosts, host_id, seed, **derived),
+        find_corrupt=corrupt_finder(train, shard, seed),
+        source=stream_source(cfg, "bert_data", train, shard, seed, **derived),
     )

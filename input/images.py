@@ -45,9 +45,9 @@ import sys
 import tensorflow as tf
 
 from tfpod import UserError
-from tfpod.input import files as files_lib
-from tfpod.input.pipeline import TaskInput, find_corrupt, stream_source
-from tfpod.input.prepare import cache_lock, demo_cli, staged  # one cache lock and staging for every prepared data set
+from tfpod.input import records
+from tfpod.input.common import ShardInfo, TaskInput, corrupt_finder, host_shard, stream_source
+from tfpod.input.demo import data_root, demo_cli, ensure_prepared, staged
 
 log = logging.getLogger("tfpod")
 
@@ -109,8 +109,7 @@ class ImageDataConfig:
 
 
 def default_data_dir() -> str:
-    root = os.environ.get("TFPOD_DATA_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "tfpod")
-    return os.path.join(root, f"images-digits{DEMO_SIZE}")
+    return os.path.join(data_root(), f"images-digits{DEMO_SIZE}")
 
 
 def split_paths(data_dir: str, split: str) -> str:
@@ -172,10 +171,7 @@ def prepare(data_dir: str, force: bool = False) -> dict:
 def ensure(data_dir: str | None = None) -> str:
     """The demo set's folder, preparing it first if needed (cached, process-safe)."""
     data_dir = data_dir or default_data_dir()
-    if not os.path.exists(os.path.join(data_dir, MANIFEST)):
-        with cache_lock(data_dir):
-            prepare(data_dir)
-    return data_dir
+    return ensure_prepared(data_dir, os.path.exists(os.path.join(data_dir, MANIFEST)), prepare)
 
 
 # ---------------------------------------------------------------------------
@@ -225,7 +221,7 @@ def eval_image(jpeg: tf.Tensor, cfg: ImageDataConfig, size: int) -> tf.Tensor:
 
 
 def image_dataset(cfg: ImageDataConfig, pattern: str, image_size: int, num_classes: int, host_rows: int,
-                  num_hosts: int, host_id: int, seed: int, training: bool) -> tf.data.Dataset:
+                  shard: ShardInfo, seed: int, training: bool) -> tf.data.Dataset:
     """This host's dataset of image batches {images, labels, weights}.
 
     Args:
@@ -234,7 +230,7 @@ def image_dataset(cfg: ImageDataConfig, pattern: str, image_size: int, num_class
       image_size: side of the model's square input.
       num_classes: labels (after label_offset) must be in [0, num_classes).
       host_rows: rows per host batch (global batch / hosts).
-      num_hosts, host_id: this host's place.
+      shard: this host's place.
       seed: file order, shuffling and augmentation.
       training: repeat, shuffle and augment (else one pass, central crops).
 
@@ -242,20 +238,10 @@ def image_dataset(cfg: ImageDataConfig, pattern: str, image_size: int, num_class
       Host batches: images float32 [host_rows, image_size, image_size, 3], labels int32
       [host_rows], weights float32 [host_rows] (evaluation: the last batch may be shorter).
     """
-    shard = files_lib.plan(pattern, num_hosts, host_id, seed)
-    for f in shard.files:
-        if tf.io.gfile.stat(f).length == 0:
-            raise UserError(f"input file {f} is empty: remove it from the pattern or write data into it")
-    log.info("input: host %d of %d reads %d image file(s)", host_id, num_hosts, len(shard.files))
-    ds = tf.data.Dataset.from_tensor_slices(list(shard.files))
+    plan = host_shard(pattern, shard, seed, what="image file(s)")
+    ds = records.read(plan, seed, training, cfg.cycle_length)
     if training:
-        ds = ds.shuffle(len(shard.files), seed=seed, reshuffle_each_iteration=True).repeat()
-    ds = ds.interleave(tf.data.TFRecordDataset, cycle_length=cfg.cycle_length, num_parallel_calls=tf.data.AUTOTUNE,
-                       deterministic=True)
-    if shard.record_shard:
-        ds = ds.shard(num_hosts, host_id)
-    if training and cfg.shuffle_buffer:
-        ds = ds.shuffle(cfg.shuffle_buffer, seed=seed + 1)
+        ds = records.shuffled(ds, cfg.shuffle_buffer, seed)
     offset = cfg.label_offset
 
     def parse(index, record):
@@ -278,13 +264,10 @@ def image_dataset(cfg: ImageDataConfig, pattern: str, image_size: int, num_class
         return {"images": image, "labels": label, "weights": tf.constant(1.0)}
 
     ds = ds.enumerate().map(parse, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
-    ds = ds.batch(host_rows, drop_remainder=training)
-    options = tf.data.Options()
-    options.deterministic = True
-    return ds.with_options(options).prefetch(tf.data.AUTOTUNE)
+    return records.batched(ds, host_rows, training)
 
 
-def image_input(cfg: ImageDataConfig, model_config, num_hosts: int, host_id: int, seed: int):
+def image_input(cfg: ImageDataConfig, model_config, shard: ShardInfo, seed: int) -> TaskInput:
     """The image classifier's TaskInput: prepares the digits demo set on first use."""
 
     if cfg.train_files:
@@ -295,13 +278,13 @@ def image_input(cfg: ImageDataConfig, model_config, num_hosts: int, host_id: int
 
     def dataset(pattern, training):
         return lambda host_rows: image_dataset(cfg, pattern, model_config.image_size, model_config.num_classes,
-                                               host_rows, num_hosts, host_id, seed, training)
+                                               host_rows, shard, seed, training)
 
     return TaskInput(
         train=dataset(train, True),
         eval=dataset(evals, False) if evals else None,
-        find_corrupt=lambda: find_corrupt(files_lib.plan(train, num_hosts, host_id, seed).files),
-        source=stream_source(cfg, "image_data", train, num_hosts, host_id, seed, image_size=model_config.image_size,
+        find_corrupt=corrupt_finder(train, shard, seed),
+        source=stream_source(cfg, "image_data", train, shard, seed, image_size=model_config.image_size,
                              num_classes=model_config.num_classes),
     )
 

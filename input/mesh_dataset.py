@@ -12,21 +12,13 @@ import numpy as np
 import tensorflow as tf
 from tensorflow.experimental import dtensor
 
-from tfpod import UserError
-from tfpod.input import feed
+from tfpod import UserError, compat
+from tfpod.partitioning import host_rows, local_shards
 
 log = logging.getLogger("tfpod")
 
-def _dataset_ops():
-    from tensorflow.python.data.ops import dataset_ops
-
-    return dataset_ops
-
-
 def _dtensor_iterator_class():
-    from tensorflow.dtensor.python import input_util
-
-    class _MeshIterator(input_util._DTensorIterator):
+    class _MeshIterator(compat.dtensor_iterator_base()):
         """A DTensor iterator that stops after the dataset's known number of batches.
 
         Reading past the end of a DTensor iterator eagerly leaves the DTensor runtime
@@ -50,7 +42,7 @@ def _dtensor_iterator_class():
     return _MeshIterator
 
 
-class MeshDataset(_dataset_ops().UnaryUnchangedStructureDataset):
+class MeshDataset(compat.unary_dataset_base()):
     """A dataset whose iterator yields batch-sharded DTensors over a mesh (see `to_mesh`).
 
     To Keras it is an ordinary dataset (not a "distributed" one): fit makes a new
@@ -60,7 +52,7 @@ class MeshDataset(_dataset_ops().UnaryUnchangedStructureDataset):
 
     def __init__(self, host_batches: tf.data.Dataset, mesh: dtensor.Mesh, layouts, global_spec,
                  device_datasets: list):
-        super().__init__(host_batches, host_batches._variant_tensor)
+        super().__init__(host_batches, compat.variant_tensor(host_batches))
         self._mesh = mesh
         self._layouts = layouts
         self._global_spec = global_spec
@@ -85,17 +77,15 @@ class MeshDataset(_dataset_ops().UnaryUnchangedStructureDataset):
         )
 
     def __iter__(self):
-        from tensorflow.dtensor.python import api
-
         host_mesh = self._mesh.host_mesh()
         resources = []
         for device, dataset in zip(host_mesh.local_devices(), self._device_datasets):
             with tf.device(device):
-                resources.append(iter(dataset)._iterator_resource)
+                resources.append(compat.iterator_resource(iter(dataset)))
         # The per-device iterators, packed as one DTensor resource (as DTensorDataset does).
-        packed = api.pack(resources, dtensor.Layout.replicated(host_mesh, rank=0))
+        packed = compat.pack_resources(resources, dtensor.Layout.replicated(host_mesh, rank=0))
         host_layouts = tf.nest.map_structure(lambda l: dtensor.Layout(l.sharding_specs, host_mesh), self._layouts)
-        api._dtensor_device().set_iterator_element_layouts(packed, tf.nest.flatten(host_layouts))
+        compat.set_iterator_element_layouts(packed, tf.nest.flatten(host_layouts))
         return _dtensor_iterator_class()(
             self._count, dtensor_components=(packed,), global_element_spec=self._global_spec, layouts=self._layouts
         )
@@ -178,7 +168,7 @@ def to_mesh(dataset: tf.data.Dataset, mesh: dtensor.Mesh, batch_axis: str | None
         if s.shape.rank is None or s.shape.rank < 1:
             raise UserError(f"to_mesh: every feature needs a batch dimension, got one of shape {s.shape}")
     shards = mesh.dim_size(batch_axis) if batch_axis else 1
-    local = feed.local_shards(mesh, batch_axis)
+    local = local_shards(mesh, batch_axis)
     static = _batch_size_of(flat_specs)
     if global_batch_size is None:
         if per_host:
@@ -189,7 +179,7 @@ def to_mesh(dataset: tf.data.Dataset, mesh: dtensor.Mesh, batch_axis: str | None
             if first is None:
                 raise UserError("to_mesh: the dataset is empty")
             global_batch_size = int(tf.nest.flatten(first)[0].shape[0])
-    rows = feed.host_rows(global_batch_size, mesh, batch_axis)
+    rows = host_rows(global_batch_size, mesh, batch_axis)
     per_shard = global_batch_size // shards
     expected = rows if per_host else global_batch_size
     if static is not None and static != expected:

@@ -20,20 +20,16 @@ under a lock, writing into a temporary folder that is renamed into place when co
 from __future__ import annotations
 
 import argparse
-import contextlib
-import fcntl
 import hashlib
 import json
 import logging
 import os
 import random
-import shutil
 import sys
 import sysconfig
-import tempfile
-from typing import Callable
 
 from tfpod import UserError
+from tfpod.input.demo import cache_lock, data_root, ensure_prepared, staged
 
 log = logging.getLogger("tfpod")
 
@@ -47,10 +43,11 @@ MANIFEST = "manifest.json"
 
 
 def default_data_dir() -> str:
+    """$TFPOD_DATA_DIR itself when set (the corpus predates the other demo sets), else a folder in the cache."""
     if os.environ.get("TFPOD_DATA_DIR"):
         return os.environ["TFPOD_DATA_DIR"]
     version = f"{sys.version_info.major}.{sys.version_info.minor}.{sys.version_info.micro}"
-    return os.path.join(os.path.expanduser("~"), ".cache", "tfpod", f"pystdlib-{version}")
+    return os.path.join(data_root(), f"pystdlib-{version}")
 
 
 def stdlib_files() -> list[tuple[str, str]]:
@@ -200,73 +197,11 @@ def _write_json(path: str, obj) -> None:
     os.replace(path + ".tmp", path)
 
 
-@contextlib.contextmanager
-def staged(data_dir: str, prefix: str):
-    """A temporary folder beside data_dir that becomes data_dir when the block completes.
-
-    A prepared data set is written into it, then renamed into place (replacing an
-    incomplete or forced-over earlier folder), so readers never see a partial one; on
-    any error it is removed and data_dir is left as it was.
-    """
-    parent = os.path.dirname(os.path.abspath(data_dir))
-    os.makedirs(parent, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=prefix, dir=parent)
-    os.chmod(tmp, 0o755)
-    try:
-        yield tmp
-        if os.path.exists(data_dir):
-            shutil.rmtree(data_dir)  # only reached with force, or an incomplete earlier folder
-        os.rename(tmp, data_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-
-
-@contextlib.contextmanager
-def cache_lock(data_dir: str):
-    parent = os.path.dirname(os.path.abspath(data_dir))
-    os.makedirs(parent, exist_ok=True)
-    with open(os.path.join(parent, "." + os.path.basename(data_dir) + ".lock"), "w") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
-
-
 def ensure(data_dir: str | None = None, vocab_size: int = 2048) -> str:
     """The prepared corpus folder, preparing it first if needed (cached, process-safe)."""
     data_dir = data_dir or default_data_dir()
-    if os.path.exists(os.path.join(data_dir, MANIFEST)) and os.path.exists(vocab_path(data_dir, vocab_size)):
-        return data_dir
-    with cache_lock(data_dir):
-        prepare(data_dir, (vocab_size,))
-    return data_dir
-
-
-def demo_cli(prog: str, doc: str, default_dir: str, build: Callable[[str, bool], dict], argv=None) -> int:
-    """The command line of a demo-data module: `--data_dir`, `--force`, build under the cache lock.
-
-    Args:
-      prog: e.g. "python -m tfpod.input.images".
-      doc: the module docstring (its first line is the description).
-      default_dir: where the data goes without --data_dir (named in --help).
-      build: (data_dir, force) -> manifest, printed as JSON with the folder.
-    """
-    parser = argparse.ArgumentParser(prog=prog, description=doc.splitlines()[0])
-    parser.add_argument("--data_dir", default=None, help=f"output folder (default: {default_dir})")
-    parser.add_argument("--force", action="store_true", help="rebuild even if the demo data is there")
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
-    data_dir = args.data_dir or default_dir
-    try:
-        with cache_lock(data_dir):
-            manifest = build(data_dir, args.force)
-    except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
-    print(json.dumps({"data_dir": data_dir, **manifest}))
-    return 0
+    ready = os.path.exists(os.path.join(data_dir, MANIFEST)) and os.path.exists(vocab_path(data_dir, vocab_size))
+    return ensure_prepared(data_dir, ready, lambda d: prepare(d, (vocab_size,)))
 
 
 def main(argv=None) -> int:

@@ -54,8 +54,9 @@ import sys
 import tensorflow as tf
 
 from tfpod import UserError
-from tfpod.input import files as files_lib
-from tfpod.input import pipeline, prepare, text
+from tfpod.input import demo, files as files_lib, prepare, records, text
+from tfpod.input.common import (ShardInfo, TaskInput, corrupt_finder, file_identity, first_example, host_shard,
+                                stream_source)
 
 log = logging.getLogger("tfpod")
 
@@ -134,9 +135,8 @@ class TranslationDataConfig:
 
 
 def default_data_dir() -> str:
-    root = os.environ.get("TFPOD_DATA_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "tfpod")
     version = ".".join(str(v) for v in sys.version_info[:3])
-    return os.path.join(root, f"docstrings-{version}")
+    return os.path.join(demo.data_root(), f"docstrings-{version}")
 
 
 def split_paths(data_dir: str, split: str) -> str:
@@ -209,7 +209,7 @@ def prepare_demo(data_dir: str, force: bool = False) -> dict:
     train_code = {code for code, _, _ in pairs["train"]}
     shared = [p for p in pairs["eval"] if p[0] in train_code]  # the same function in two files
     pairs["eval"] = [p for p in pairs["eval"] if p[0] not in train_code]
-    with prepare.staged(data_dir, ".docstrings-") as tmp:
+    with demo.staged(data_dir, ".docstrings-") as tmp:
         for split, n in (("train", TRAIN_SHARDS), ("eval", EVAL_SHARDS)):
             names = [os.path.join(tmp, f"docstrings-{split}-{i:05d}-of-{n:05d}.tfrecord") for i in range(n)]
             writers = [tf.io.TFRecordWriter(name) for name in names]
@@ -238,10 +238,7 @@ def prepare_demo(data_dir: str, force: bool = False) -> dict:
 def ensure(data_dir: str | None = None) -> str:
     """The demo set's folder, preparing it first if needed (cached, process-safe)."""
     data_dir = data_dir or default_data_dir()
-    if not os.path.exists(os.path.join(data_dir, MANIFEST)):
-        with prepare.cache_lock(data_dir):
-            prepare_demo(data_dir)
-    return data_dir
+    return demo.ensure_prepared(data_dir, os.path.exists(os.path.join(data_dir, MANIFEST)), prepare_demo)
 
 
 # ---------------------------------------------------------------------------
@@ -269,7 +266,7 @@ def sentencepiece(vocab_path: str):
 
 
 def _first_example(path: str) -> tf.train.Example:
-    return pipeline.first_example(path, "replace it with WMT-format TFRecords",
+    return first_example(path, "replace it with WMT-format TFRecords",
                                   "write tf.train.Examples with the source and target text as bytes features")
 
 
@@ -292,16 +289,6 @@ def check_features(path: str, src_lang: str, tgt_lang: str) -> None:
                             f"{feature[name].WhichOneof('kind')}, not text: write the sentence as a bytes feature")
 
 
-def _host_shard(pattern: str, num_hosts: int, host_id: int, seed: int) -> files_lib.HostShard:
-    shard = files_lib.plan(pattern, num_hosts, host_id, seed)
-    for f in shard.files:
-        if tf.io.gfile.stat(f).length == 0:
-            raise UserError(f"input file {f} is empty: remove it from the pattern or write data into it")
-    log.info("input: host %d of %d reads %d file(s): %s", host_id, num_hosts, len(shard.files),
-             ",".join(os.path.basename(f) for f in shard.files))
-    return shard
-
-
 def _fit(ids: tf.Tensor, length: int, eos: int) -> tf.Tensor:
     """ids [n] (EOS last) -> [length]: cut to length - 1 ids plus EOS if longer, 0-padded."""
     n = tf.size(ids)
@@ -310,7 +297,7 @@ def _fit(ids: tf.Tensor, length: int, eos: int) -> tf.Tensor:
 
 
 def translation_dataset(cfg: TranslationDataConfig, pattern: str, vocab_path: str, src_len: int, tgt_len: int,
-                        host_rows: int, num_hosts: int, host_id: int, seed: int, training: bool) -> tf.data.Dataset:
+                        host_rows: int, shard: ShardInfo, seed: int, training: bool) -> tf.data.Dataset:
     """This host's batches of translation pairs (see the module docstring).
 
     Args:
@@ -319,7 +306,7 @@ def translation_dataset(cfg: TranslationDataConfig, pattern: str, vocab_path: st
       vocab_path: SentencePiece model of both sides.
       src_len, tgt_len: fixed lengths of inputs and targets (EOS included).
       host_rows: rows per host batch (global batch / hosts).
-      num_hosts, host_id: this host's place.
+      shard: this host's place.
       seed: file order and shuffling.
       training: repeat, shuffle and drop/cut long pairs by cfg.long_pairs (else one
         pass, long pairs truncated, at most this host's share of max_eval_examples).
@@ -328,32 +315,16 @@ def translation_dataset(cfg: TranslationDataConfig, pattern: str, vocab_path: st
       Host batches {inputs int32 [rows, src_len], targets int32 [rows, tgt_len],
       weights float32 [rows, tgt_len]}; rows = host_rows (evaluation: the last may be shorter).
     """
-    shard = _host_shard(pattern, num_hosts, host_id, seed)
-    check_features(shard.files[0], cfg.src_lang, cfg.tgt_lang)
+    plan = host_shard(pattern, shard, seed)
+    check_features(plan.files[0], cfg.src_lang, cfg.tgt_lang)
     tokenizer = text.load_tokenizer(vocab_path)
     eos = sentencepiece(vocab_path).eos_id()
     spec = {cfg.src_lang: tf.io.FixedLenFeature([], tf.string), cfg.tgt_lang: tf.io.FixedLenFeature([], tf.string)}
-
-    def read(path):
-        records = tf.data.TFRecordDataset(path)
-        if cfg.skip_corrupt:
-            records = records.apply(tf.data.experimental.ignore_errors(log_warning=True))
-        return records
-
-    ds = tf.data.Dataset.from_tensor_slices(list(shard.files))
-    if training:
-        ds = ds.shuffle(len(shard.files), seed=seed, reshuffle_each_iteration=True).repeat()
     # At most one reader per file: with the file list repeated, a longer cycle would read
     # copies of one file side by side and yield each record several times in a row.
-    ds = ds.interleave(read, cycle_length=min(cfg.cycle_length, len(shard.files)), num_parallel_calls=tf.data.AUTOTUNE,
-                       deterministic=True)
-    if shard.record_shard:
-        ds = ds.shard(num_hosts, host_id)
-    if training and cfg.shuffle_buffer:
-        ds = ds.shuffle(cfg.shuffle_buffer, seed=seed + 1)
-    elif not training and cfg.max_eval_examples is not None:
-        base, extra = divmod(cfg.max_eval_examples, num_hosts)
-        ds = ds.take(base + (1 if host_id < extra else 0))
+    ds = records.read(plan, seed, training, min(cfg.cycle_length, len(plan.files)), cfg.skip_corrupt)
+    ds = records.shuffled(ds, cfg.shuffle_buffer, seed) if training else records.host_share(
+        ds, cfg.max_eval_examples, shard)
 
     def tokenize(record):
         example = tf.io.parse_single_example(record, spec)
@@ -373,14 +344,10 @@ def translation_dataset(cfg: TranslationDataConfig, pattern: str, vocab_path: st
                 "weights": tf.ensure_shape(tf.cast(target != PAD_ID, tf.float32), [tgt_len])}
 
     ds = ds.map(fixed, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
-    ds = ds.batch(host_rows, drop_remainder=training)
-    options = tf.data.Options()
-    options.deterministic = True
-    return ds.with_options(options).prefetch(tf.data.AUTOTUNE)
+    return records.batched(ds, host_rows, training)
 
 
-def translation_input(cfg: TranslationDataConfig, model_config, num_hosts: int, host_id: int,
-                      seed: int) -> pipeline.TaskInput:
+def translation_input(cfg: TranslationDataConfig, model_config, shard: ShardInfo, seed: int) -> TaskInput:
     """The Transformer's TaskInput: prepares the demo set (and the default vocabulary) on
     first use, checks the records' features and the vocabulary against the model, and
     records the vocabulary in model_config.vocab_path (BLEU detokenizes with it)."""
@@ -399,27 +366,27 @@ def translation_input(cfg: TranslationDataConfig, model_config, num_hosts: int, 
         model_config.vocab_path = vocab_path
     for pattern in (train, evals):  # feature names checked before the model is built
         if pattern:
-            check_features(files_lib.host_files(pattern, num_hosts, host_id, seed)[0], cfg.src_lang, cfg.tgt_lang)
+            check_features(files_lib.host_files(pattern, shard.num_shards, shard.index, seed)[0], cfg.src_lang,
+                           cfg.tgt_lang)
 
     def dataset(pattern, training):
         src_len, tgt_len = model_config.src_len, model_config.tgt_len
         if not training and cfg.eval_max_length:
             src_len = tgt_len = cfg.eval_max_length
-        return lambda host_rows: translation_dataset(cfg, pattern, vocab_path, src_len, tgt_len, host_rows, num_hosts,
-                                                     host_id, seed, training)
+        return lambda host_rows: translation_dataset(cfg, pattern, vocab_path, src_len, tgt_len, host_rows, shard,
+                                                     seed, training)
 
-    return pipeline.TaskInput(
+    return TaskInput(
         train=dataset(train, True),
         eval=dataset(evals, False) if evals else None,
-        find_corrupt=lambda: pipeline.find_corrupt(files_lib.plan(train, num_hosts, host_id, seed).files),
-        source=pipeline.stream_source(cfg, "translation_data", train, num_hosts, host_id, seed,
-                                      src_len=model_config.src_len, tgt_len=model_config.tgt_len,
-                                      vocab=pipeline.file_identity(vocab_path)),
+        find_corrupt=corrupt_finder(train, shard, seed),
+        source=stream_source(cfg, "translation_data", train, shard, seed, src_len=model_config.src_len,
+                             tgt_len=model_config.tgt_len, vocab=file_identity(vocab_path)),
     )
 
 
 def main(argv=None) -> int:
-    return prepare.demo_cli("python -m tfpod.input.translation", __doc__, default_data_dir(),
+    return demo.demo_cli("python -m tfpod.input.translation", __doc__, default_data_dir(),
                             lambda data_dir, force: prepare_demo(data_dir, force=force), argv)
 
 

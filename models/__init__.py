@@ -1,22 +1,20 @@
-"""Keras models tfpod trains, each a task module with the same surface.
+"""The models tfpod trains, each with its Task (tfpod.task.Task): the registry of tasks by name.
 
-A task module declares: NAME, Config (dataclass, gin-configurable as `<NAME>.*`),
-DEFAULT_PRESET, AXIS_RULES (variable-path rules giving logical axes), build(config),
-input_signature(config), batch_axes(), synthetic_batch(config, rows, rng),
-loss_and_metrics(model, batch, training), flops_per_token(config), EVAL_METRIC, and its
-input: DATA (the gin name of its data config), DataConfig, and
-make_input(data_config, model_config, num_hosts, host_id, seed) -> tfpod.input.pipeline.TaskInput.
+To add one, see tfpod/task.py: a model module with its Task subclass, its instance
+added here, and its gin files.
 """
 
+from tfpod import UserError
 from tfpod.models import bert, gpt, moe, resnet, transformer
+from tfpod.task import Task, check_task
 
-TASKS = {gpt.NAME: gpt, moe.NAME: moe, bert.NAME: bert, resnet.NAME: resnet, transformer.NAME: transformer}
+TASKS: dict[str, Task] = {t.name: t for t in (gpt.TASK, moe.TASK, bert.TASK, resnet.TASK, transformer.TASK)}
+for _task in TASKS.values():
+    check_task(_task)
 
 
-def get_task(name: str):
-    """The task module registered under `name`."""
-    from tfpod import UserError
-
+def get_task(name: str) -> Task:
+    """The task registered under `name` (experiment.model)."""
     if name not in TASKS:
         raise UserError(f"experiment.model={name!r} is not a model: use one of {', '.join(sorted(TASKS))}")
     return TASKS[name]

@@ -6,14 +6,13 @@ carry Model Garden's names. Three of its pieces are changed, for DTensor and for
 
   * Its blocks are gpt's `Block` in post-norm mode: Model Garden's
     TransformerEncoderBlock with the same weights, names and math, written as 2-D
-    matmuls (oneDNN runs their gradients faster than EinsumDense's einsums: a BERT-base
-    block's forward and backward took 252 ms against 306 on 2 cores, 16 x 128 tokens).
+    matmuls (oneDNN runs their gradients faster than EinsumDense's einsums).
   * The word embedding (an `OnDeviceEmbedding`) is a gather when its vocab rows are
     whole on every device and a one-hot matmul when they are split over a mesh axis
     (a vocab-sharded table then needs no gather; the trainer densifies the gather's
-    IndexedSlices gradient, for which DTensor has no ResourceScatterAdd layout). The
-    one-hot matmul over 30,522 rows and its gradient cost 472 ms a step at 16 x 128
-    tokens, the gather 17 ms. The token-type embedding is one-hot already.
+    IndexedSlices gradient, for which DTensor has no ResourceScatterAdd layout); the
+    one-hot matmul costs 2 x vocab x hidden FLOPs per token that count for nothing. The
+    token-type embedding is one-hot already.
   * The masked-LM head is Model Garden's `MaskedLM` (its weights: `transform/dense`,
     `transform/LayerNorm`, `output_bias`) with the gather of masked positions written
     as a one-hot einsum over the sequence (Model Garden flattens the batch and gathers
@@ -55,17 +54,12 @@ import tf_keras
 from official.nlp.modeling import layers as mg_layers
 from official.nlp.modeling import networks as mg_networks
 
-from tfpod import UserError, evaluation, fused
+from tfpod import UserError, compat, evaluation, fused
 from tfpod.input import bert_data
 from tfpod.models import gpt
-from tfpod.sharding import AxisRule, rows_split, shard
+from tfpod.partitioning import AxisRule, rows_split, shard
+from tfpod.task import Task
 
-NAME = "bert"
-DEFAULT_PRESET = "tensor"
-EVAL_METRIC = evaluation.MASKED_LM
-DATA = "bert_data"  # gin name of the data config
-DataConfig = bert_data.BertDataConfig
-make_input = bert_data.bert_input
 ACTIVATIONS = ("gelu", "gelu_approximate", "relu")
 
 
@@ -124,8 +118,6 @@ class BertConfig:
         if self.activation not in ACTIVATIONS:
             raise UserError(f"bert.activation={self.activation!r}: use one of {', '.join(ACTIVATIONS)}")
 
-
-Config = BertConfig
 NORM_EPSILON = 1e-12  # of BertEncoderV2's blocks (TransformerEncoderBlock's default) and Google BERT's
 
 # Variable names are "bert/<encoder or head>/.../<weight>"; one rule per kind of weight.
@@ -219,20 +211,19 @@ class BertPretrainer(tf_keras.Model):
         # (Handing BertEncoderV2 an `embedding_layer` instead would also keep the layer in
         # its config dict, a path tf_keras's DTensor variable mapping cannot follow.)
         embedding = self.encoder.get_embedding_layer()
-        if not isinstance(embedding, mg_layers.OnDeviceEmbedding) or not hasattr(embedding, "_use_one_hot"):
-            raise TypeError(f"BertEncoderV2's word embedding is a {type(embedding).__name__} without one-hot mode: "
-                            "this tf-models-official version is not supported")
+        if not isinstance(embedding, mg_layers.OnDeviceEmbedding):
+            raise TypeError(f"BertEncoderV2's word embedding is a {type(embedding).__name__}, not an OnDeviceEmbedding")
         # Its TransformerEncoderBlocks, replaced (before they are built) by the same post-norm
         # blocks written as 2-D matmuls (gpt.Block: same weights, names and math).
-        if len(self.encoder._transformer_layers) != config.num_layers:
-            raise TypeError("BertEncoderV2 keeps its blocks elsewhere: this tf-models-official version is not supported")
+        if len(compat.transformer_layers(self.encoder)) != config.num_layers:
+            raise TypeError(f"BertEncoderV2 has {len(compat.transformer_layers(self.encoder))} blocks, not {config.num_layers}")
         shape = gpt.GPTConfig(
             vocab_size=config.vocab_size, seq_len=config.seq_len, num_layers=config.num_layers,
             embed_dim=config.hidden_size, num_heads=config.num_heads, mlp_dim=config.intermediate_size,
             dropout=config.dropout, attention_dropout=config.attention_dropout, norm_epsilon=NORM_EPSILON)
-        self.encoder._transformer_layers = [
+        compat.set_transformer_layers(self.encoder, [
             gpt.Block(shape, init, norm_first=config.norm_first, activation=activation, name=f"transformer/layer_{i}")
-            for i in range(config.num_layers)]
+            for i in range(config.num_layers)])
         self.encoder.pooler_layer.trainable = config.next_sentence
         self.masked_lm = MaskedLMHead(config.vocab_size, config.hidden_size, activation, init())
         # The NSP classifier exists either way (so checkpoints have one shape), frozen without NSP.
@@ -255,7 +246,7 @@ class BertPretrainer(tf_keras.Model):
         """(masked-LM logits [batch, predictions, vocab] float32, pooled [CLS] output [batch, hidden])."""
         embedding = self.encoder.get_embedding_layer()
         # A gather when the vocab rows are whole on every device, else a one-hot matmul (as gpt).
-        embedding._use_one_hot = not embedding.built or rows_split(embedding.embeddings)
+        compat.set_one_hot(embedding, not embedding.built or rows_split(embedding.embeddings))
         outputs = self.encoder(
             {"input_word_ids": inputs["input_ids"], "input_mask": inputs["input_mask"],
              "input_type_ids": inputs["segment_ids"]},
@@ -267,10 +258,6 @@ class BertPretrainer(tf_keras.Model):
         # output, computed from the unannotated one, is left unused).
         pooled = self.encoder.pooler_layer(sequence[:, 0, :])  # [batch, hidden]
         return mlm_logits, pooled
-
-
-def build(config: BertConfig) -> BertPretrainer:
-    return BertPretrainer(config)
 
 
 MODEL_FEATURES = ("input_ids", "input_mask", "segment_ids", "masked_lm_positions")
@@ -411,11 +398,11 @@ def serving(model: BertPretrainer, config: BertConfig, data_config) -> tuple[tf.
         raise UserError("bert export needs the SentencePiece vocabulary of online masking to take raw strings; "
                         "these records were tokenized by create_pretraining_data.py: set bert_data.vocab_path to "
                         "a SentencePiece model with [MASK], [CLS] and [SEP] pieces")
-    from tfpod.input import pipeline, text as text_lib
+    from tfpod.input import lm_data, text as text_lib
 
-    vocab_path = pipeline.resolve(pipeline.LMDataConfig(vocab_path=data_config.vocab_path,
-                                                        vocab_size=data_config.vocab_size,
-                                                        data_dir=data_config.data_dir)).vocab_path
+    vocab_path = lm_data.resolve(lm_data.LMDataConfig(vocab_path=data_config.vocab_path,
+                                                      vocab_size=data_config.vocab_size,
+                                                      data_dir=data_config.data_dir)).vocab_path
     tokenizer = text_lib.load_tokenizer(vocab_path)
     ids = bert_data.special_ids(tokenizer, vocab_path)
     module = tf.Module()
@@ -449,3 +436,31 @@ def serving(model: BertPretrainer, config: BertConfig, data_config) -> tuple[tf.
         }
 
     return module, {"serving_default": serving_default.get_concrete_function()}
+
+
+class BertTask(Task):
+    """BERT pretraining (masked LM, optional next sentence): gin `bert.*`, data `bert_data.*`."""
+
+    name = "bert"
+    config_class = BertConfig
+    data_name = "bert_data"
+    data_config_class = bert_data.BertDataConfig
+    default_preset = "tensor"
+    axis_rules = AXIS_RULES
+    eval_metric = evaluation.MASKED_LM
+
+    build = staticmethod(BertPretrainer)
+    input_signature = staticmethod(input_signature)
+    flops_per_token = staticmethod(flops_per_token)
+    batch_axes = staticmethod(batch_axes)
+    model_inputs = staticmethod(model_inputs)
+    synthetic_batch = staticmethod(synthetic_batch)
+    make_input = staticmethod(bert_data.bert_input)
+    loss_and_metrics = staticmethod(loss_and_metrics)
+    serving = staticmethod(serving)
+
+    def tokens_per_example(self, config: BertConfig) -> int:
+        return config.seq_len
+
+
+TASK = BertTask()

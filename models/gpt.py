@@ -4,8 +4,8 @@ Blocks are Model Garden's `TransformerEncoderBlock` in pre-norm (GPT-2) form wit
 attention mask, rewritten as 2-D matmuls with the same weights and names (`Block`). The
 token embedding is Model Garden's `OnDeviceEmbedding`: a one-hot matmul when its vocab rows
 are split over devices (the sharded table then needs no gather or scatter), a plain gather
-otherwise (the one-hot matmul costs 2 x vocab x embed FLOPs per token, 15% of gpt_small's
-step). The output layer is tied to it (vocab-parallel logits under `tensor`) and is one 2-D
+otherwise (the one-hot matmul costs 2 x vocab x embed FLOPs per token that count for
+nothing). The output layer is tied to it (vocab-parallel logits under `tensor`) and is one 2-D
 matmul over all tokens.
 
 Batch contract (see tfpod.input.text for the pipeline that produces it):
@@ -26,16 +26,11 @@ import tensorflow as tf
 import tf_keras
 from official.nlp.modeling import layers as mg_layers
 
-from tfpod import UserError, evaluation, fused
-from tfpod.input import pipeline
-from tfpod.sharding import AxisRule, rows_split, shard
+from tfpod import UserError, compat, evaluation, fused
+from tfpod.input import lm_data
+from tfpod.partitioning import AxisRule, rows_split, shard
+from tfpod.task import Task
 
-NAME = "gpt"
-DEFAULT_PRESET = "tensor"
-EVAL_METRIC = evaluation.LM
-DATA = "lm_data"  # gin name of the data config
-DataConfig = pipeline.LMDataConfig
-make_input = pipeline.lm_input
 # The residual stream between blocks: its sequence dimension is the logical axis
 # `sequence`, which only sequence parallelism maps to a mesh axis (`model`).
 ACTIVATION_AXES = ("batch", "sequence", "embed")
@@ -138,7 +133,7 @@ class GPT(tf_keras.Model):
         x = self.embed(ids)  # [batch, length, embed]
         in_order = self.position_embedding(x)  # positions 0..length-1 (also builds the table)
         if "positions" in features:  # per-segment positions, as a one-hot matmul (no gather)
-            table = tf.cast(self.position_embedding._position_embeddings, x.dtype)  # [max_length, embed]
+            table = tf.cast(compat.position_embeddings(self.position_embedding), x.dtype)  # [max_length, embed]
             x = x + tf.einsum("blp,pe->ble", tf.one_hot(features["positions"], self.config.seq_len, dtype=x.dtype), table)
         else:
             x = x + in_order
@@ -160,7 +155,7 @@ class GPT(tf_keras.Model):
         step densifies.
         """
         layer = self.token_embedding
-        layer._use_one_hot = not layer.built or rows_split(layer.embeddings)  # OnDeviceEmbedding's own switch
+        compat.set_one_hot(layer, not layer.built or rows_split(layer.embeddings))  # OnDeviceEmbedding's own switch
         return layer(ids)
 
     def output_logits(self, x: tf.Tensor) -> tf.Tensor:
@@ -190,8 +185,8 @@ class Projection(tf_keras.layers.Layer):
     The kernel keeps its logical shape [*in_dims, *out_dims] (e.g. query [embed, heads,
     kv], the names and shapes of Model Garden's EinsumDense layers, so the sharding rules
     and checkpoints are theirs), and is reshaped to [prod(in), prod(out)] for the matmul:
-    oneDNN runs a 2-D matmul's gradients (matmuls with transposed operands) 1.3-2x faster
-    than the einsums an EinsumDense differentiates into.
+    oneDNN runs a 2-D matmul's gradients (matmuls with transposed operands) faster than
+    the einsums an EinsumDense differentiates into (docs/benchmarks.md).
     """
 
     def __init__(self, in_dims, out_dims, kernel_initializer, **kwargs):
@@ -321,13 +316,6 @@ def causal_mask(ids: tf.Tensor, segment_ids: tf.Tensor | None = None) -> tf.Tens
         same = tf.cast(tf.equal(segment_ids[:, :, None], segment_ids[:, None, :]), tf.float32)
         mask *= same  # [batch, length, length]
     return mask
-
-
-Config = GPTConfig
-
-
-def build(config: GPTConfig) -> GPT:
-    return GPT(config)
 
 
 def input_signature(config: GPTConfig) -> dict:
@@ -499,7 +487,7 @@ def serving(model: GPT, config: GPTConfig, data_config) -> tuple[tf.Module, dict
     """
     from tfpod.input import prepare, text as text_lib
 
-    tokenizer = text_lib.load_tokenizer(pipeline.resolve(data_config).vocab_path)
+    tokenizer = text_lib.load_tokenizer(lm_data.resolve(data_config).vocab_path)
     module = tf.Module()
     module.model, module.tokenizer = model, tokenizer
     eos, seq_len = prepare.EOS_ID, config.seq_len
@@ -547,3 +535,31 @@ def serving(model: GPT, config: GPTConfig, data_config) -> tuple[tf.Module, dict
 
     return module, {"serving_default": serving_default.get_concrete_function(),
                     "generate": generate.get_concrete_function()}
+
+
+class GPTTask(Task):
+    """The causal LM: gin `gpt.*`, data `lm_data.*` (tfpod.input.lm_data). See tfpod.task.Task."""
+
+    name = "gpt"
+    config_class = GPTConfig
+    data_name = "lm_data"
+    data_config_class = lm_data.LMDataConfig
+    default_preset = "tensor"
+    axis_rules = AXIS_RULES
+    eval_metric = evaluation.LM
+
+    build = staticmethod(GPT)
+    input_signature = staticmethod(input_signature)
+    flops_per_token = staticmethod(flops_per_token)
+    batch_axes = staticmethod(batch_axes)
+    model_inputs = staticmethod(model_inputs)
+    synthetic_batch = staticmethod(synthetic_batch)
+    make_input = staticmethod(lm_data.lm_input)
+    loss_and_metrics = staticmethod(loss_and_metrics)
+    serving = staticmethod(serving)
+
+    def tokens_per_example(self, config: GPTConfig) -> int:
+        return config.seq_len
+
+
+TASK = GPTTask()

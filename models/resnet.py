@@ -36,14 +36,9 @@ from official.vision.modeling.backbones import resnet as mg_resnet
 
 from tfpod import UserError, evaluation, fused
 from tfpod.input import images as images_lib
-from tfpod.sharding import AxisRule, active_context, shard
+from tfpod.partitioning import AxisRule, active_context, shard
+from tfpod.task import Task
 
-NAME = "resnet"
-DEFAULT_PRESET = "data"
-EVAL_METRIC = evaluation.CLASSIFICATION
-DATA = "image_data"  # gin name of the data config
-DataConfig = images_lib.ImageDataConfig
-make_input = images_lib.image_input
 IMAGE_AXES = ("batch", None, None, None)  # [batch, height, width, channels]
 
 
@@ -83,8 +78,6 @@ class ResNetConfig:
         if not 0.0 <= self.label_smoothing < 1.0:
             raise UserError(f"resnet.label_smoothing={self.label_smoothing} must be in [0, 1)")
 
-
-Config = ResNetConfig
 
 # Variable names are "<model>/<layer>/<weight>"; Model Garden names its layers
 # conv2d_N and batch_normalization_N (Keras auto-names), so rules go by weight kind.
@@ -155,10 +148,6 @@ def check_no_spatial_partitioning() -> None:
             "sharding.sequence_parallel or sharding.rules['sequence']) is not supported: DTensor cannot expand the "
             "ResNet backbone with split image rows; unset it and use the data or tensor preset"
         )
-
-
-def build(config: ResNetConfig) -> ResNetClassifier:
-    return ResNetClassifier(config)
 
 
 def input_signature(config: ResNetConfig) -> dict:
@@ -290,3 +279,28 @@ def serving(model: ResNetClassifier, config: ResNetConfig, data_config) -> tuple
         return {"classes": classes, "scores": scores, "logits": logits}
 
     return module, {"serving_default": serving_default.get_concrete_function()}
+
+
+class ResNetTask(Task):
+    """Image classification with ResNet (MLPerf ResNet-50 v1.5): gin `resnet.*`, data `image_data.*`."""
+
+    name = "resnet"
+    config_class = ResNetConfig
+    data_name = "image_data"
+    data_config_class = images_lib.ImageDataConfig
+    default_preset = "data"
+    axis_rules = AXIS_RULES
+    eval_metric = evaluation.CLASSIFICATION
+
+    build = staticmethod(ResNetClassifier)
+    input_signature = staticmethod(input_signature)
+    flops_per_token = staticmethod(flops_per_token)
+    batch_axes = staticmethod(batch_axes)
+    model_inputs = staticmethod(model_inputs)
+    synthetic_batch = staticmethod(synthetic_batch)
+    make_input = staticmethod(images_lib.image_input)
+    loss_and_metrics = staticmethod(loss_and_metrics)
+    serving = staticmethod(serving)
+
+
+TASK = ResNetTask()

@@ -56,20 +56,14 @@ import tensorflow as tf
 import tf_keras
 from official.nlp.modeling import layers as mg_layers
 from official.nlp.modeling import models as mg_models
-from tensorflow.experimental import dtensor
 
-from tfpod import UserError, evaluation
-from tfpod.input import feed
+from tfpod import UserError, compat, evaluation
 from tfpod.input import translation as translation_data
-from tfpod.sharding import AxisRule, shard
+from tfpod.partitioning import AxisRule, shard
+from tfpod.task import EvalContext, Task
 
 log = logging.getLogger("tfpod")
 
-NAME = "transformer"
-DEFAULT_PRESET = "tensor"
-DATA = "translation_data"  # gin name of the data config
-DataConfig = translation_data.TranslationDataConfig
-make_input = translation_data.translation_input
 ACTIVATIONS = ("relu", "gelu")
 ACTIVATION_AXES = ("batch", "length", "embed")
 
@@ -156,8 +150,6 @@ class TransformerConfig:
         return self.decode_max_length or self.tgt_len
 
 
-Config = TransformerConfig
-
 # Variable names are "transformer/<embedding, encoder or decoder>/.../<weight>". Model
 # Garden's translation blocks have no attention biases (use_bias=False). Megatron under
 # `tensor`: column-parallel query/key/value and MLP-in, row-parallel attention-out and
@@ -183,7 +175,7 @@ class _FinalNormNamed:
 
     def build(self, input_shape):
         super().build(input_shape)
-        self.output_normalization._name = "layer_normalization"  # before it builds its weights
+        compat.rename_layer(self.output_normalization, "layer_normalization")  # before it builds its weights
 
 
 class TransformerEncoder(_FinalNormNamed, mg_models.TransformerEncoder):
@@ -221,16 +213,15 @@ class Seq2SeqTransformer(mg_models.Seq2SeqTransformer):
             name=name,
         )
         self.config = config
-        if not isinstance(self.embedding_lookup, mg_layers.OnDeviceEmbedding) or not hasattr(
-                self.embedding_lookup, "_use_one_hot"):
-            raise TypeError("Seq2SeqTransformer's embedding has no one-hot mode: this tf-models-official version "
-                            "is not supported")
-        self.embedding_lookup._use_one_hot = True
-        self.embedding_lookup._name = "on_device_embedding"  # Model Garden's name, not numbered per process
+        if not isinstance(self.embedding_lookup, mg_layers.OnDeviceEmbedding):
+            raise TypeError(f"Seq2SeqTransformer's embedding is a {type(self.embedding_lookup).__name__}, not an "
+                            "OnDeviceEmbedding")
+        compat.set_one_hot(self.embedding_lookup, True)
+        compat.rename_layer(self.embedding_lookup, "on_device_embedding")  # Model Garden's name, not numbered
         # Model Garden's N(0, hidden^-0.5) as a Keras initializer: tf.random_normal_initializer
         # draws with stateful TF random ops, which DTensor cannot place on the mesh.
-        self.embedding_lookup._initializer = tf_keras.initializers.RandomNormal(
-            mean=0.0, stddev=config.hidden_size ** -0.5)
+        compat.set_embedding_initializer(self.embedding_lookup, tf_keras.initializers.RandomNormal(
+            mean=0.0, stddev=config.hidden_size ** -0.5))
 
     def encode(self, sources: tf.Tensor, training=None):
         """sources [batch, src_len] -> (memory [batch, src_len, hidden], source_mask [batch, src_len] float)."""
@@ -294,10 +285,6 @@ def greedy_decode(model: Seq2SeqTransformer, sources: tf.Tensor, length: int) ->
         ids = ids + best[:, None] * tf.one_hot(t, length, dtype=tf.int32)[None, :]
         ids = shard(ids, ("batch", "length"))
     return ids
-
-
-def build(config: TransformerConfig) -> Seq2SeqTransformer:
-    return Seq2SeqTransformer(config)
 
 
 MODEL_FEATURES = ("inputs", "targets")
@@ -410,7 +397,7 @@ EVAL_METRIC = evaluation.Metric("translation", _metric_update, _metric_result)
 
 
 # ---------------------------------------------------------------------------
-# BLEU of greedy decodes (Trainer.evaluate calls decode_metrics after the device metrics)
+# BLEU of greedy decodes (the task's host_eval_metrics, after the device metrics)
 
 _DECODERS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # model -> compiled greedy decode
 BLEU_ORDER = 4  # sacrebleu's BLEU statistics: [sys_len, ref_len, correct_1..4, total_1..4]
@@ -428,7 +415,7 @@ def bleu_statistics(hypotheses: list[str], references: list[str], lowercase: boo
     total = np.zeros(2 + 2 * BLEU_ORDER, np.float64)
     if hypotheses:
         # sacrebleu's own statistics (BLEU.corpus_score computes these, then sums them)
-        stats = BLEU(lowercase=lowercase)._extract_corpus_statistics(hypotheses, [references])
+        stats = compat.bleu_sentence_statistics(BLEU(lowercase=lowercase), hypotheses, references)
         total += np.sum(np.asarray(stats, np.float64), axis=0)
     return total
 
@@ -444,24 +431,12 @@ def bleu_from_statistics(stats: np.ndarray) -> float:
                                    ref_len=stats[1], smooth_method="exp").score)
 
 
-def _decoder(trainer):
-    fn = _DECODERS.get(trainer.model)
+def _decoder(model: Seq2SeqTransformer, length: int):
+    fn = _DECODERS.get(model)
     if fn is None:
-        length = trainer.model_config.decode_length
-        fn = tf.function(lambda sources: greedy_decode(trainer.model, sources, length))
-        _DECODERS[trainer.model] = fn
+        fn = tf.function(lambda sources: greedy_decode(model, sources, length))
+        _DECODERS[model] = fn
     return fn
-
-
-def _host_rows_of(value: tf.Tensor, trainer) -> np.ndarray:
-    """This host's rows of a batch-sharded DTensor, in the order the host fed them."""
-    mesh = trainer.mesh
-    batch_axis = feed.batch_mesh_axis(batch_axes()["inputs"], trainer.table, mesh)
-    shards = feed.local_shards(mesh, batch_axis)
-    pieces = {}
-    for loc, component in zip(mesh.local_device_locations(), dtensor.unpack(value)):
-        pieces.setdefault(loc[batch_axis] if batch_axis else 0, component.numpy())
-    return np.concatenate([pieces[s] for s in shards])
 
 
 def _cut(ids, eos: int, size: int) -> list[int]:
@@ -488,20 +463,20 @@ def decode_rows(host_batches, decode_examples: int | None, num_hosts: int, host_
     return rows
 
 
-def decode_metrics(trainer, host_batches) -> dict:
+def decode_metrics(context: EvalContext, host_batches) -> dict:
     """Corpus BLEU of greedy decodes of the first transformer.decode_examples eval examples.
 
     Every host decodes its share of the examples (its first real rows) on the mesh,
     detokenizes hypotheses and references (the target ids up to EOS) with the
     SentencePiece model, computes sacrebleu's sufficient statistics, and the hosts sum
-    them (evaluation.host_sum) before BLEU is computed, so the score is the corpus BLEU
+    them (EvalContext.host_sum) before BLEU is computed, so the score is the corpus BLEU
     of all decoded examples, whatever the host count. Padding rows (weight 0) are
     never decoded into the statistics.
 
     Returns:
       {"bleu": corpus BLEU 0-100, "decoded_examples": float count}.
     """
-    cfg = trainer.model_config
+    cfg = context.model_config
     if cfg.decode_examples == 0:
         return {}
     if not cfg.vocab_path:
@@ -509,25 +484,19 @@ def decode_metrics(trainer, host_batches) -> dict:
                         "set transformer.vocab_path (make_input sets it to the input's vocabulary)")
     tokenizer = translation_data.sentencepiece(cfg.vocab_path)
     eos, size = tokenizer.eos_id(), tokenizer.get_piece_size()
-    rows = decode_rows(host_batches, cfg.decode_examples, trainer.info.num_clients, trainer.info.client_id)
-    n, per = len(rows["inputs"]), trainer.host_rows
-    batches = [evaluation.pad_rows({"inputs": rows["inputs"][i:i + per]}, per) for i in range(0, n, per)]
-    steps = evaluation.agree_max(len(batches), trainer.mesh)  # every host runs the same decode steps
-    padding = {"inputs": np.zeros((per, rows["inputs"].shape[1]), np.int32)}
-    decode = _decoder(trainer)
-    decoded = []
-    for i in range(steps):
-        batch = batches[i] if i < len(batches) else padding
-        ids = decode(feed.to_global(batch, batch_axes(), trainer.table, trainer.mesh)["inputs"])
-        decoded.append(_host_rows_of(ids, trainer))
-    decoded = np.concatenate(decoded)[:n] if decoded else np.zeros((0, cfg.decode_length), np.int32)
+    rows = decode_rows(host_batches, cfg.decode_examples, context.num_hosts, context.host_id)
+    n, per = len(rows["inputs"]), context.host_rows
+    batches = [{"inputs": rows["inputs"][i:i + per]} for i in range(0, n, per)]
+    padding = {"inputs": np.zeros((per, rows["inputs"].shape[1]), np.int32)}  # for a host with nothing to decode
+    decode = _decoder(context.model, cfg.decode_length)
+    outputs = context.run_padded(lambda b: decode(b["inputs"]), batches, {"inputs": batch_axes()["inputs"]}, padding)
+    decoded = np.concatenate(outputs) if outputs else np.zeros((0, cfg.decode_length), np.int32)
     hypotheses = [tokenizer.decode(_cut(r, eos, size)) for r in decoded]
     references = [tokenizer.decode(_cut(r, eos, size)) for r in rows["targets"]]
-    if trainer.is_chief:
+    if context.is_chief:
         for ref, hyp in list(zip(references, hypotheses))[:3]:
             log.info("decode: %r -> %r", ref, hyp)
-    totals = evaluation.host_sum(np.concatenate([bleu_statistics(hypotheses, references, cfg.bleu_lowercase), [n]]),
-                                 trainer.mesh)
+    totals = context.host_sum(np.concatenate([bleu_statistics(hypotheses, references, cfg.bleu_lowercase), [n]]))
     return {"bleu": bleu_from_statistics(totals[:-1]), "decoded_examples": float(totals[-1])}
 
 
@@ -584,3 +553,36 @@ def flops_per_token(config: TransformerConfig) -> float:
     per_source = 6.0 * (le * (4 * h * h + 2 * h * f) + ld * 2 * h * h) + 12.0 * le * s * h
     per_target = 6.0 * (ld * (6 * h * h + 2 * h * f) + config.vocab_size * h) + 12.0 * ld * (t + s) * h
     return (s * per_source + t * per_target) / (s + t)
+
+
+class TransformerTask(Task):
+    """Translation with the Transformer (MLPerf): gin `transformer.*`, data `translation_data.*`.
+
+    Besides the on-device metrics, evaluation decodes greedily and reports corpus BLEU
+    (`host_eval_metrics`).
+    """
+
+    name = "transformer"
+    config_class = TransformerConfig
+    data_name = "translation_data"
+    data_config_class = translation_data.TranslationDataConfig
+    default_preset = "tensor"
+    axis_rules = AXIS_RULES
+    eval_metric = EVAL_METRIC
+
+    build = staticmethod(Seq2SeqTransformer)
+    input_signature = staticmethod(input_signature)
+    flops_per_token = staticmethod(flops_per_token)
+    batch_axes = staticmethod(batch_axes)
+    model_inputs = staticmethod(model_inputs)
+    synthetic_batch = staticmethod(synthetic_batch)
+    make_input = staticmethod(translation_data.translation_input)
+    loss_and_metrics = staticmethod(loss_and_metrics)
+    host_eval_metrics = staticmethod(decode_metrics)
+    serving = staticmethod(serving)
+
+    def tokens_per_example(self, config: TransformerConfig) -> int:
+        return config.seq_len  # source plus target
+
+
+TASK = TransformerTask()

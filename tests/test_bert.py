@@ -10,12 +10,13 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from tfpod import UserError, optimizers, sharding
+from tfpod import UserError, optimizers
 from tfpod.input import bert_data
-from tfpod.main import run
-from tfpod.mesh import make_mesh
+from conftest import make_run
+from tfpod.api import run
+from tfpod.controller import TrainConfig
+from tfpod.input.common import ShardInfo
 from tfpod.models import bert
-from tfpod.trainer import TrainConfig, Trainer
 
 # A WordPiece vocabulary for create_pretraining_data.py: BERT's special tokens, words, a suffix piece.
 WORDS = ("the a cat dog bird fish tree house river hill sun moon red green blue big small old new fast slow "
@@ -70,6 +71,7 @@ def raw_examples(pattern):
     return out
 
 
+@pytest.mark.unit
 def test_masked_lm_head_gathers_like_model_garden():
     """The one-hot einsum over positions gives Model Garden MaskedLM's logits (its tf.gather)."""
     from official.nlp.modeling import layers
@@ -88,6 +90,7 @@ def test_masked_lm_head_gathers_like_model_garden():
     np.testing.assert_allclose(got.numpy(), expected.numpy(), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.unit
 def test_pretraining_records_are_read_with_every_feature(records):
     """Both spellings of create_pretraining_data.py's features give exactly its records."""
     cfg = bert.BertConfig(vocab_size=64, seq_len=SEQ_LEN, max_predictions=PREDICTIONS, num_layers=1,
@@ -100,7 +103,7 @@ def test_pretraining_records_are_read_with_every_feature(records):
 
     for spelling in ("v1", "v2"):
         data = bert_data.BertDataConfig(train_files=records[spelling], eval_files=records[spelling])
-        task_input = bert.make_input(data, cfg, num_hosts=1, host_id=0, seed=0)
+        task_input = bert.TASK.make_input(data, cfg, ShardInfo(0, 1), seed=0)
         batches = list(task_input.eval(16))
         assert [len(b["input_ids"]) for b in batches[:-1]] == [16] * (len(batches) - 1)
         batch = batches[0]
@@ -141,6 +144,7 @@ def test_tiny_config_trains_and_evaluates_on_8_devices(tmp_path):
     assert "[model]" in rows["bert/masked_lm/output_bias/bias"]
 
 
+@pytest.mark.unit
 def test_text_segments_cover_every_token():
     ragged = tf.ragged.constant([[1, 2, 3, 4, 5], [6, 7], [8, 9, 10, 11]])
     docs = tf.data.Dataset.from_tensor_slices(ragged).map(tf.identity)  # [None] int32 documents
@@ -162,10 +166,9 @@ def train_on_records(model_dir, pattern, spec, preset, steps=3):
                           checkpoint_every=100, seed=1)
     opt = optimizers.OptimizerConfig(name="lamb", learning_rate=1e-2, warmup_steps=0, decay="polynomial",
                                      decay_steps=8, end_learning_rate_ratio=0.0, epsilon=1e-6, clip_norm=1.0)
-    placement = sharding.ShardingConfig(preset=preset).trainer_args(bert.DEFAULT_PRESET)
-    trainer = Trainer(bert, cfg, run_cfg, opt, make_mesh(spec), model_dir=str(model_dir), **placement)
-    task_input = bert.make_input(bert_data.BertDataConfig(train_files=pattern), cfg, num_hosts=1, host_id=0, seed=1)
-    return trainer, np.array(trainer.train(task_input.train)["losses"])
+    controller = make_run(bert.TASK, cfg, run_cfg, opt, spec, model_dir, preset=preset)
+    task_input = bert.TASK.make_input(bert_data.BertDataConfig(train_files=pattern), cfg, ShardInfo(0, 1), seed=1)
+    return controller.trainer, np.array(controller.train(controller.dataset_feed(task_input))["losses"])
 
 
 def test_records_train_and_the_tensor_preset_equals_data_parallel(records, tmp_path):
@@ -191,6 +194,7 @@ def test_records_train_and_the_tensor_preset_equals_data_parallel(records, tmp_p
     assert layout(trainer.model.masked_lm.bias) == ["model"]
 
 
+@pytest.mark.unit
 def test_synthetic_batches_follow_the_batch_contract():
     cfg = bert.BertConfig(**SMALL)
     batch = bert.synthetic_batch(cfg, 8, np.random.default_rng(0))
@@ -221,12 +225,14 @@ def test_synthetic_batches_follow_the_batch_contract():
         (["bert_data.train_files='no/such/*.tfrecord'"], "input pattern 'no/such/*.tfrecord' matches no file"),
     ],
 )
+@pytest.mark.unit
 def test_config_errors_are_one_line(tmp_path, params, needle):
     with pytest.raises(UserError) as e:
         run(["gin/bert_tiny.gin"], params, str(tmp_path), mesh_spec="data:4,model:2")
     assert needle in str(e.value) and "\n" not in str(e.value)
 
 
+@pytest.mark.unit
 def test_records_that_do_not_fit_the_model_are_one_line_errors(records, tmp_path):
     base = [f"bert_data.train_files='{records['v1']}'"]
     with pytest.raises(UserError) as e:

@@ -5,19 +5,18 @@ import json
 import math
 import os
 import subprocess
-import sys
 
 import numpy as np
 import pytest
 import tensorflow as tf
 
+from conftest import ROOT, launch_command, main_py
 from tfpod import UserError, evaluation
+from tfpod.api import run
 from tfpod.input import prepare
-from tfpod.main import run
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+@pytest.mark.unit
 def test_classification_top1_top5_ignore_padding():
     logits = tf.constant([[9.0, 1, 2, 3, 4, 5, 6], [0, 9, 8, 7, 6, 5, 4], [1, 2, 3, 4, 5, 6, 7], [5, 5, 5, 5, 5, 5, 9]])
     batch = {"labels": tf.constant([0, 6, 0, 1]), "weights": tf.constant([1.0, 1.0, 1.0, 0.0])}
@@ -28,6 +27,7 @@ def test_classification_top1_top5_ignore_padding():
     assert res == {"top1_accuracy": pytest.approx(1 / 3), "top5_accuracy": pytest.approx(1 / 3)}
 
 
+@pytest.mark.unit
 def test_masked_lm_and_lm_sums():
     logits = tf.one_hot([[2, 3, 0], [1, 1, 1]], 4) * 5.0  # predictions: [2,3,0], [1,1,1]
     mlm = {"masked_lm_ids": tf.constant([[2, 1, 0], [1, 0, 0]]), "masked_lm_weights": tf.constant([[1.0, 1, 0], [1, 0, 0]])}
@@ -42,6 +42,7 @@ def test_masked_lm_and_lm_sums():
     assert res["perplexity"] == pytest.approx(math.exp(res["loss"]))
 
 
+@pytest.mark.unit
 def test_pad_rows_adds_weight_zero_rows():
     batch = {"inputs": np.ones((3, 4), np.int32), "weights": np.ones((3, 4), np.float32)}
     padded = evaluation.pad_rows(batch, 8)
@@ -81,14 +82,13 @@ def test_same_metrics_and_exact_count_on_1_device_8_devices_and_2_hosts(tmp_path
     assert eight["num_examples"] == truth
     assert truth % 16 and truth % 2  # the set divides neither the batch nor the host count
 
-    base = [sys.executable, "main.py", "--gin_file=gin/lm_tiny.gin", f"--model_dir={d}", "--mode=eval",
+    base = ["--gin_file=gin/lm_tiny.gin", f"--model_dir={d}", "--mode=eval",
             *[f"--gin_param={p}" for p in SMALL + [eval_param]]]
-    one = subprocess.run(base + ["--cpu_devices=1", "--mesh=data:1"], cwd=ROOT, capture_output=True, text=True,
-                         timeout=600)
+    one = main_py(*base, "--cpu_devices=1", "--mesh=data:1")
     assert one.returncode == 0, one.stderr[-2000:]
     one_rec = eval_record(d)
-    two = subprocess.run([sys.executable, "-m", "tfpod.launch", "--num_hosts=2", "--devices_per_host=4", "--",
-                          *base, "--mesh=data:4,model:2"], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    two = subprocess.run(launch_command(2, 4, *base, "--mesh=data:4,model:2"), cwd=ROOT, capture_output=True,
+                         text=True, timeout=600)
     assert two.returncode == 0, (two.stdout + two.stderr)[-2000:]
     two_rec = eval_record(d)
     for rec in (one_rec, two_rec):

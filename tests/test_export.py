@@ -14,12 +14,12 @@ import pytest
 import tensorflow as tf
 from tensorflow.experimental import dtensor
 
-from tfpod import UserError, export, optimizers, sharding
-from tfpod.input import feed, images, prepare, text
-from tfpod.main import run
-from tfpod.mesh import make_mesh
+from tfpod import UserError, export, optimizers
+from tfpod.input import images, prepare, text
+from tfpod.api import run
 from tfpod.models import bert, gpt, resnet, transformer
-from tfpod.trainer import TrainConfig, Trainer
+from tfpod.controller import TrainConfig
+from conftest import make_run
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MESH = "data:4,model:2"
@@ -52,19 +52,22 @@ def on_host(x) -> np.ndarray:
     return dtensor.unpack(dtensor.relayout(x, dtensor.Layout.replicated(layout.mesh, layout.rank)))[0].numpy()
 
 
-def restored_trainer(task, model_config, model_dir):
-    """The training-time model: sharded over MESH as in training, from model_dir's newest checkpoint."""
-    placement = sharding.ShardingConfig().trainer_args(task.DEFAULT_PRESET)
-    t = Trainer(task, model_config, TrainConfig(steps=1, global_batch_size=8), optimizers.OptimizerConfig(),
-                make_mesh(MESH), model_dir=str(model_dir), **placement)
-    assert t.checkpoints.restore_latest() is not None
-    return t
+def restored_trainer(task, model_config, model_dir, save=False):
+    """The training-time model: sharded over MESH as in training, from model_dir's newest checkpoint
+    (with `save`: initialized, and saved as step 0)."""
+    run_ = make_run(task, model_config, TrainConfig(steps=1, global_batch_size=8), optimizers.OptimizerConfig(), MESH,
+                    model_dir)
+    if save:
+        run_.checkpoints.save()
+    else:
+        assert run_.checkpoints.restore_latest() is not None
+    return run_.trainer
 
 
 def sharded_forward(t, fn, batch):
     """fn(model, global batch) on the mesh, compiled as in training, under the run's activation sharding."""
-    with sharding.activation_sharding(t.mesh, t.table):
-        return tf.function(lambda b: fn(t.model, b))(feed.to_global(batch, t.task.batch_axes(), t.table, t.mesh))
+    with t.placement.activations():
+        return tf.function(lambda b: fn(t.model, b))(t.placement.to_global(batch, t.task.batch_axes()))
 
 
 @pytest.fixture(scope="module")
@@ -90,7 +93,7 @@ def exports(tmp_path_factory):
     ids = np.zeros([4, max(map(len, rows))], np.int32)
     for i, r in enumerate(rows):
         ids[i, : len(r)] = r
-    t = restored_trainer(gpt, gpt.GPTConfig(vocab_size=2048, seq_len=64, num_layers=1, embed_dim=128, num_heads=8,
+    t = restored_trainer(gpt.TASK, gpt.GPTConfig(vocab_size=2048, seq_len=64, num_layers=1, embed_dim=128, num_heads=8,
                                             mlp_dim=512), lm_dir)
     logits = on_host(sharded_forward(t, lambda m, b: m(gpt.model_inputs(b)), {"inputs": ids}))
     expected["lm/serving_default/logits"] = logits[np.arange(4), [len(r) - 1 for r in rows]]
@@ -100,8 +103,8 @@ def exports(tmp_path_factory):
     # BERT and ResNet: initialized sharded, checkpointed at step 0, exported from the checkpoint.
     bert_cfg = bert.BertConfig(vocab_size=2048, seq_len=32, max_predictions=4, num_layers=1, hidden_size=64,
                                num_heads=8, intermediate_size=128, dropout=0.0, attention_dropout=0.0)
-    t = restored_trainer_after_save(bert, bert_cfg, base / "bert")
-    bert_export = export.export(bert, bert_cfg, bert.DataConfig(), str(base / "bert"))
+    t = restored_trainer(bert.TASK, bert_cfg, base / "bert", save=True)
+    bert_export = export.export(bert.TASK, bert_cfg, bert.TASK.data_config_class(), str(base / "bert"))
     texts = ["return [MASK] + 1", "def f(x):\n    [MASK] x[MASK]", "no mask here", "[MASK]"]
     tokenizer = sp()
     pieces = [tokenizer.tokenize(tf.constant(s)).numpy().tolist() for s in texts]
@@ -119,8 +122,8 @@ def exports(tmp_path_factory):
     jobs["bert"] = {"dir": bert_export["export_dir"], "calls": {"serving_default": {"text": texts}}}
 
     res_cfg = resnet.ResNetConfig(depth=10, depth_multiplier=0.25, image_size=32, num_classes=10)
-    t = restored_trainer_after_save(resnet, res_cfg, base / "resnet")
-    res_export = export.export(resnet, res_cfg, images.ImageDataConfig(), str(base / "resnet"))
+    t = restored_trainer(resnet.TASK, res_cfg, base / "resnet", save=True)
+    res_export = export.export(resnet.TASK, res_cfg, images.ImageDataConfig(), str(base / "resnet"))
     eval_files = sorted(tf.io.gfile.glob(images.split_paths(images.ensure(), "eval")))
     records = [tf.train.Example.FromString(r.numpy()) for r in tf.data.TFRecordDataset(eval_files[0]).take(8)]
     jpegs = [r.features.feature["image/encoded"].bytes_list.value[0] for r in records]
@@ -133,8 +136,8 @@ def exports(tmp_path_factory):
     tr_cfg = transformer.TransformerConfig(vocab_size=2048, src_len=16, tgt_len=8, encoder_layers=1, decoder_layers=1,
                                            hidden_size=64, num_heads=8, intermediate_size=128, dropout=0.0,
                                            attention_dropout=0.0, intermediate_dropout=0.0, decode_max_length=6)
-    t = restored_trainer_after_save(transformer, tr_cfg, base / "transformer")
-    tr_export = export.export(transformer, tr_cfg, transformer.DataConfig(), str(base / "transformer"))
+    t = restored_trainer(transformer.TASK, tr_cfg, base / "transformer", save=True)
+    tr_export = export.export(transformer.TASK, tr_cfg, transformer.TASK.data_config_class(), str(base / "transformer"))
     sources = ["def close(self):\n    self._file.close()\n", "return x + 1", "", "class A:\n    pass"]
     tokenizer = sp()
     source_ids = np.zeros([4, 16], np.int32)
@@ -156,14 +159,6 @@ def exports(tmp_path_factory):
             "expected": expected,
             "served": dict(np.load(base / "out.npz")), "imported": json.loads(proc.stdout.strip().splitlines()[-1]),
             "lm_dir": lm_dir}
-
-
-def restored_trainer_after_save(task, model_config, model_dir):
-    placement = sharding.ShardingConfig().trainer_args(task.DEFAULT_PRESET)
-    t = Trainer(task, model_config, TrainConfig(steps=1, global_batch_size=8), optimizers.OptimizerConfig(),
-                make_mesh(MESH), model_dir=str(model_dir), **placement)
-    t.checkpoints.save()
-    return t
 
 
 def test_versions_follow_tf_serving_layout(exports):
@@ -233,6 +228,7 @@ def test_predict_request_has_exactly_the_signature_inputs(exports):
                 assert request.inputs[key].dtype == s.dtype.as_datatype_enum
 
 
+@pytest.mark.unit
 def test_export_without_a_run_is_one_line(tmp_path):
     with pytest.raises(UserError, match="config.gin does not exist"):
         export.saved_model(str(tmp_path))

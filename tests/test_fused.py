@@ -7,6 +7,8 @@ import tensorflow as tf
 from tfpod import fused, optimizers
 from tfpod.models import gpt
 
+pytestmark = pytest.mark.unit  # no subprocess, no multi-device training
+
 
 @pytest.fixture(autouse=True, params=["0", "1"], ids=["plain", "xla"])
 def xla_marks(request, monkeypatch):

@@ -11,8 +11,9 @@ import tensorflow as tf
 
 from tfpod import UserError
 from tfpod.input import files as files_lib
-from tfpod.input import host_files, pipeline, prepare
-from tfpod.main import run
+from tfpod.api import run
+from tfpod.input import common, host_files, lm_data, prepare
+from tfpod.input.common import ShardInfo
 
 
 def make_files(d, n):
@@ -21,6 +22,7 @@ def make_files(d, n):
     return str(d / "part-*.txt")
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("n_files,hosts", [(8, 2), (8, 4), (10, 3), (13, 4), (7, 7), (5, 1)])
 def test_host_files_is_a_balanced_complete_disjoint_deterministic_partition(tmp_path, n_files, hosts):
     pattern = make_files(tmp_path, n_files)
@@ -35,6 +37,7 @@ def test_host_files_is_a_balanced_complete_disjoint_deterministic_partition(tmp_
         assert parts != [host_files(pattern, hosts, h, seed=4) for h in range(hosts)]  # the seed shuffles
 
 
+@pytest.mark.unit
 def test_fewer_files_than_hosts_falls_back_to_record_sharding(tmp_path, caplog):
     pattern = make_files(tmp_path, 2)
     with caplog.at_level(logging.WARNING, logger="tfpod"):
@@ -43,6 +46,7 @@ def test_fewer_files_than_hosts_falls_back_to_record_sharding(tmp_path, caplog):
     assert "2 file(s) for 3 hosts" in caplog.text
 
 
+@pytest.mark.unit
 def test_enough_files_means_file_splitting_even_with_one_file_per_host(tmp_path, caplog):
     pattern = make_files(tmp_path, 2)
     with caplog.at_level(logging.WARNING, logger="tfpod"):
@@ -51,6 +55,7 @@ def test_enough_files_means_file_splitting_even_with_one_file_per_host(tmp_path,
     assert sorted(f for s in shards for f in s.files) == sorted(str(p) for p in tmp_path.glob("part-*.txt"))
 
 
+@pytest.mark.unit
 def test_pattern_matching_nothing_is_one_clear_error(tmp_path):
     with pytest.raises(UserError, match=r"input pattern '.*nothing-\*\.tfrecord' matches no file"):
         host_files(str(tmp_path / "nothing-*.tfrecord"), 2, 0)
@@ -63,6 +68,7 @@ def corpus():
     return prepare.ensure()
 
 
+@pytest.mark.unit
 def test_prepared_corpus_splits_by_file_and_round_trips(corpus):
     manifest = prepare.prepare(corpus)  # cached: returns the manifest without rebuilding
     assert manifest["train_files"] > 1000 and manifest["eval_files"] > 20
@@ -88,15 +94,17 @@ def test_prepared_corpus_splits_by_file_and_round_trips(corpus):
 
 
 def dataset(corpus, host_rows=4, num_hosts=1, host_id=0, seed=0, **cfg):
-    data = pipeline.LMDataConfig(**cfg)
-    where = pipeline.resolve(data)
-    return pipeline.lm_dataset(data, where.train_files, where.vocab_path, 64, host_rows, num_hosts, host_id, seed, 2048)
+    data = lm_data.LMDataConfig(**cfg)
+    where = lm_data.resolve(data)
+    return lm_data.lm_dataset(data, where.train_files, where.vocab_path, 64, host_rows, ShardInfo(host_id, num_hosts), seed,
+                              2048)
 
 
 def first(ds, n=3):
     return [{k: v.numpy() for k, v in b.items()} for b in ds.take(n)]
 
 
+@pytest.mark.unit
 def test_lm_dataset_contract_and_determinism(corpus):
     a = first(dataset(corpus))
     assert set(a[0]) == {"inputs", "targets", "weights"}
@@ -111,6 +119,7 @@ def test_lm_dataset_contract_and_determinism(corpus):
     assert any((x["inputs"] != y["inputs"]).any() for x, y in zip(a, c))
 
 
+@pytest.mark.unit
 def test_hosts_read_different_data(corpus):
     h0 = first(dataset(corpus, num_hosts=2, host_id=0))
     h1 = first(dataset(corpus, num_hosts=2, host_id=1))
@@ -122,6 +131,7 @@ def test_segment_packing_trains(tmp_path, corpus):
     assert np.all(np.isfinite(out["losses"]))
 
 
+@pytest.mark.unit
 def test_segment_packing_feeds_positions_and_segments(corpus):
     b = first(dataset(corpus, packing="segments"), 1)[0]
     assert {"segment_ids", "positions"} <= set(b)
@@ -191,8 +201,9 @@ def test_a_changed_input_starts_over_with_a_warning_or_is_refused_when_strict(tm
     assert "3 new (e.g. doc0.txt); lm_data.format: 'auto' -> 'text'; lm_data.train_files: None -> " in caplog.text
     assert "the input starts from its beginning at step 2" in caplog.text
     # The position saved at step 4 is two batches into the new input: it started from its beginning.
-    cfg = pipeline.LMDataConfig(train_files=f"{texts}/*.txt", format="text")
-    fresh = lambda: pipeline.lm_dataset(cfg, cfg.train_files, prepare.vocab_path(corpus, 2048), 64, 8, 1, 0, 0, 2048)
+    cfg = lm_data.LMDataConfig(train_files=f"{texts}/*.txt", format="text")
+    fresh = lambda: lm_data.lm_dataset(cfg, cfg.train_files, prepare.vocab_path(corpus, 2048), 64, 8, ShardInfo(0, 1), 0,
+                                       2048)
     expected = first(fresh(), 3)[2]
     iterator = iter(fresh())
     tf.train.Checkpoint(iterator=iterator).restore(str(d / "checkpoints" / "input-host0" / "ckpt-4")).expect_partial()
@@ -214,19 +225,21 @@ def test_a_changed_input_starts_over_with_a_warning_or_is_refused_when_strict(tm
     assert "the input position saved at step 4 does not fit this input pipeline (" in caplog.text
 
 
+@pytest.mark.unit
 def test_every_task_records_what_its_input_is_built_from():
     from tfpod.models import TASKS
 
     for name in ("gpt", "bert", "resnet", "transformer"):
         task = TASKS[name]
-        data, model = task.DataConfig(), task.Config()
-        source = task.make_input(data, model, 1, 0, 0).source
+        data, model = task.data_config_class(), task.config_class()
+        source = task.make_input(data, model, ShardInfo(0, 1), 0).source
         assert source["files"] and all(size > 0 for _, size in source["files"]), name
         first_field = next(f.name for f in dataclasses.fields(data) if "eval" not in f.name)
-        assert f"{task.DATA}.{first_field}" in source, name
+        assert f"{task.data_name}.{first_field}" in source, name
         assert not any("eval" in k for k in source), name
 
 
+@pytest.mark.unit
 def test_binary_or_undecodable_text_files_are_refused_or_warned_of(tmp_path, corpus, caplog):
     """Files read as text (no .tfrecord name, or lm_data.format='text') used to be trained on
     whatever they held: a TFRecord without its extension, random bytes, another encoding."""
@@ -242,9 +255,9 @@ def test_binary_or_undecodable_text_files_are_refused_or_warned_of(tmp_path, cor
     noise = tmp_path / "noise.txt"
     noise.write_bytes(bytes(np.random.RandomState(0).randint(128, 192, 4000).astype(np.uint8)))
     with pytest.raises(UserError, match=r"noise.txt is read as text but 100% of its first 4000 bytes are not UTF-8"):
-        pipeline.check_text_files([str(noise)], "")
+        common.check_text_files([str(noise)], "")
     latin = tmp_path / "latin1.txt"
     latin.write_bytes((("x = 1  # a plain line\n" * 9 + "caf\u00e9\n") * 10).encode("latin-1"))  # 10 of 2030 bytes
     with caplog.at_level(logging.WARNING, logger="tfpod"):
-        pipeline.check_text_files([str(latin)], "")
+        common.check_text_files([str(latin)], "")
     assert f"10 of the 2030 bytes read from the start of 1 text file(s) are not UTF-8 (0.49%; most in {latin})" in caplog.text

@@ -211,6 +211,7 @@ def test_subclassed_fit_matches_unsharded_with_legacy_optimizer():
     assert tuple(tk.layout_of(momentum).sharding_specs) == (dtensor.UNSHARDED, "model")
 
 
+@pytest.mark.unit
 def test_to_mesh_rows_partial_batches_and_errors(mesh42):
     x = np.arange(100 * 3, dtype="float32").reshape(100, 3)
     y = np.arange(100, dtype="int32")
@@ -236,6 +237,7 @@ def one_line(excinfo) -> str:
     return text
 
 
+@pytest.mark.unit
 def test_bad_rules_stop_with_one_line(mesh42):
     def build(rules, **kwargs):
         with tfpod.sharding(mesh42, rules=rules, **kwargs):
@@ -417,6 +419,7 @@ class Tracked(tf_keras.Model):
         return self.dense(x)
 
 
+@pytest.mark.unit
 def test_weights_keep_their_order_and_unused_mesh_axes_are_refused():
     mesh = tfpod.make_mesh("data:8")
     plain = Tracked()

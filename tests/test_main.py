@@ -2,21 +2,15 @@
 
 import json
 import os
-import subprocess
-import sys
+import re
 
 import pytest
 
+from conftest import main_py
 from tfpod import UserError
+from tfpod.api import run
 from tfpod.config import resolve_gin_file
-from tfpod.main import run
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def main_py(*args, timeout=600, env=None):
-    return subprocess.run([sys.executable, "main.py", *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout,
-                          env=env)
 
 
 def test_default_job_trains_logs_and_checkpoints(tmp_path):
@@ -31,6 +25,11 @@ def test_default_job_trains_logs_and_checkpoints(tmp_path):
     assert "mesh data:4,model:2 (8 CPU devices); global batch 16; per-device batch 4" in log
     assert "tokens per step 1024" in log
     assert "step 20/20 | loss" in log and "tokens/s" in log and "mfu" in log and "eta" in log
+    # The console is tfpod's: timestamped lines and the layout summary, no start-up noise of TensorFlow's
+    # (the CUDA probe, oneDNN, absl's pre-init warning, Grappler's cost model while the step compiles).
+    assert "layouts (every variable:" in log and "# total: 36 variables" in log
+    others = [line for line in log.splitlines() if not re.match(r"\d\d:\d\d:\d\d |# ", line)]
+    assert not others, others
     records = [json.loads(l) for l in open(d / "metrics.jsonl")]
     assert [r["step"] for r in records] == [10, 20]
     assert records[-1]["loss"] < records[0]["loss"]  # falling loss
@@ -64,12 +63,14 @@ def test_bad_mesh_is_one_line_and_nonzero(tmp_path):
         ([], "export", "--mode=export: no complete checkpoint in"),
     ],
 )
+@pytest.mark.unit
 def test_config_errors_are_one_clear_line(tmp_path, params, mode, needle):
     with pytest.raises(UserError) as e:
         run(["gin/lm_tiny.gin"], params, str(tmp_path), mode=mode, mesh_spec="data:4,model:2")
     assert needle in str(e.value) and "\n" not in str(e.value)
 
 
+@pytest.mark.unit
 def test_gin_files_resolve_from_the_package(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)  # not the checkout: found through tfpod's gin folder
     assert resolve_gin_file("gin/lm_tiny.gin").endswith(os.path.join("gin", "lm_tiny.gin"))
@@ -78,6 +79,7 @@ def test_gin_files_resolve_from_the_package(tmp_path, monkeypatch):
         resolve_gin_file("gin/nope.gin")
 
 
+@pytest.mark.unit
 def test_required_values_must_be_set(tmp_path):
     bare = tmp_path / "bare.gin"
     bare.write_text("include 'run/base.gin'\ninclude 'model/gpt_tiny.gin'\ntrain.synthetic_data = True\n")

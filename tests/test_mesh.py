@@ -5,6 +5,8 @@ import pytest
 from tfpod import UserError
 from tfpod.mesh import describe, make_mesh, parse_mesh_spec
 
+pytestmark = pytest.mark.unit  # no subprocess, no multi-device training
+
 
 @pytest.mark.parametrize(
     "spec,n,expected",

@@ -9,11 +9,12 @@ import tensorflow as tf
 import tf_keras
 from tensorflow.experimental import dtensor
 
-from tfpod import UserError, optimizers, sharding
-from tfpod.main import run
+from conftest import make_run
+from tfpod import UserError, optimizers, partitioning
+from tfpod.api import run
 from tfpod.mesh import make_mesh
 from tfpod.models import moe
-from tfpod.trainer import TrainConfig, Trainer
+from tfpod.controller import TrainConfig
 
 U = dtensor.UNSHARDED
 # 2 blocks (block_1 is MoE), 4 routing groups of 8 tokens per sequence, capacity 2 per
@@ -53,6 +54,7 @@ def reference_gating(logits, capacity):
     return combine, dispatch, aux / (batch * groups)
 
 
+@pytest.mark.unit
 def test_top2_gating_matches_the_reference():
     logits = np.random.default_rng(0).normal(size=(2, 3, 16, 4)).astype(np.float32) * 2
     capacity = 3  # 16 tokens x 2 choices over 4 experts: an even split needs 8, so many drop
@@ -72,6 +74,7 @@ def test_top2_gating_matches_the_reference():
     assert uniform.numpy() == pytest.approx(1.0)
 
 
+@pytest.mark.unit
 def test_capacity_and_flops():
     assert moe.expert_capacity(16, 8, 2.0, 4) == 8 and moe.expert_capacity(8, 8, 1.0, 4) == 4
     cfg = moe.MoEConfig(**SMALL)
@@ -81,13 +84,14 @@ def test_capacity_and_flops():
     assert moe.flops_per_token(more) - moe.flops_per_token(cfg) == 6 * 64 * 8
 
 
+@pytest.mark.unit
 def test_aux_loss_is_in_the_training_loss_and_reaches_the_router():
     """Plain Keras, one device: loss = lm + coef * aux; the aux gradient reaches the router, also with remat."""
     cfg = moe.MoEConfig(**{**SMALL, "aux_loss_coef": 0.5})
-    batch = {k: tf.constant(v) for k, v in moe.synthetic_batch(cfg, 4, np.random.default_rng(0)).items()}
+    batch = {k: tf.constant(v) for k, v in moe.TASK.synthetic_batch(cfg, 4, np.random.default_rng(0)).items()}
     tf_keras.utils.set_random_seed(0)
-    model = moe.build(cfg)
-    remat = moe.build(moe.MoEConfig(**{**SMALL, "aux_loss_coef": 0.5, "remat": True}))
+    model = moe.TASK.build(cfg)
+    remat = moe.TASK.build(moe.MoEConfig(**{**SMALL, "aux_loss_coef": 0.5, "remat": True}))
     model(batch["inputs"]), remat(batch["inputs"])
     remat.set_weights(model.get_weights())
     grads = []
@@ -114,8 +118,8 @@ def train(model_dir, mesh, preset, steps=4):
     kw = dict(steps=steps, global_batch_size=16, steps_per_loop=steps, log_every=steps, checkpoint_every=100,
               synthetic_data=True, seed=1)
     opt = optimizers.OptimizerConfig(learning_rate=1e-2, warmup_steps=0, decay_steps=8)
-    trainer = Trainer(moe, cfg, TrainConfig(**kw), opt, mesh, sharding.rules_table(preset), str(model_dir))
-    return trainer, trainer.train()
+    controller = make_run(moe.TASK, cfg, TrainConfig(**kw), opt, mesh, model_dir, preset=preset)
+    return controller.trainer, controller.train()
 
 
 @pytest.fixture(scope="module")
@@ -153,13 +157,13 @@ def test_expert_weights_are_sharded(runs):
 def test_dispatch_is_an_all_to_all_between_groups_and_experts(runs):
     """Eagerly on 8 devices: each stage's layout, and the layer's output equals a one-device copy's."""
     trainer = runs["expert"][0]
-    mesh, mlp = trainer.mesh, trainer.model.blocks[1].moe_mlp
+    mesh, mlp = trainer.placement.mesh, trainer.model.blocks[1].moe_mlp
     x = np.random.default_rng(2).normal(size=(16, 32, 64)).astype(np.float32)
     x_dt = dtensor.relayout(dtensor.copy_to_mesh(tf.constant(x), dtensor.Layout.replicated(mesh, 3)),
                             dtensor.Layout(["data", U, U], mesh))
     layout = lambda t: dtensor.fetch_layout(t).sharding_specs
-    with sharding.activation_sharding(mesh, trainer.table):
-        grouped = sharding.shard(tf.reshape(x_dt, [16, 4, 8, 64]), moe.GROUPED_AXES)
+    with trainer.placement.activations():
+        grouped = partitioning.shard(tf.reshape(x_dt, [16, 4, 8, 64]), moe.GROUPED_AXES)
         assert layout(grouped) == ["data", "expert", U, U]  # every device routes distinct tokens
         combine, dispatch, _ = mlp.route(grouped)
         assert layout(combine) == layout(dispatch) == ["data", "expert", U, U, U]
@@ -208,12 +212,14 @@ def test_main_trains_moe_tiny_on_an_expert_mesh(tmp_path):
         ("moe.num_heads=7", "moe.embed_dim=128 is not divisible by moe.num_heads=7"),
     ],
 )
+@pytest.mark.unit
 def test_config_errors_are_one_line(tmp_path, param, needle):
     with pytest.raises(UserError) as e:
         run(["gin/moe_tiny.gin"], [param], str(tmp_path), mesh_spec="data:2,expert:4")
     assert needle in str(e.value) and "\n" not in str(e.value)
 
 
+@pytest.mark.unit
 def test_groups_that_do_not_split_over_the_expert_axis_are_an_error(tmp_path):
     """64 / 32 = 2 groups per sequence cannot split over expert:4; DTensor would fail unreadably.
 

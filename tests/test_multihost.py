@@ -5,11 +5,11 @@ import os
 import re
 import signal
 import subprocess
-import sys
 import time
 
 import numpy as np
-import pytest
+
+from conftest import launch_command, main_command, main_py, make_run
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SMALL = ["gpt.num_layers=1", "gpt.embed_dim=64", "gpt.mlp_dim=128", "train.global_batch_size=16",
@@ -22,8 +22,7 @@ def main_args(model_dir, steps, extra=()):
 
 
 def launch(model_dir, steps, extra=(), timeout=600):
-    cmd = [sys.executable, "-m", "tfpod.launch", "--num_hosts=2", "--devices_per_host=4", "--",
-           sys.executable, "main.py", *main_args(model_dir, steps, extra)]
+    cmd = launch_command(2, 4, *main_args(model_dir, steps, extra))
     return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
 
 
@@ -38,9 +37,7 @@ def losses(model_dir):
 
 
 def test_two_hosts_match_one_process_and_only_host0_writes(tmp_path):
-    one = subprocess.run([sys.executable, "main.py", "--cpu_devices=8",
-                          *main_args(tmp_path / "one", 4, ["train.synthetic_data=True"])],
-                         cwd=ROOT, capture_output=True, text=True, timeout=600)
+    one = main_py("--cpu_devices=8", *main_args(tmp_path / "one", 4, ["train.synthetic_data=True"]))
     assert one.returncode == 0, one.stderr[-2000:]
     two = launch(tmp_path / "two", 4, ["train.synthetic_data=True"])
     assert two.returncode == 0, errors(two)
@@ -55,23 +52,19 @@ def test_two_hosts_match_one_process_and_only_host0_writes(tmp_path):
 
     # The 2-host checkpoint restores in one process, on another mesh and preset, with identical values.
     from test_reliability import assert_restores_identically
-    from tfpod import sharding
-    from tfpod.config import build_config as _build_config, build_task_configs, parse_config
-    from tfpod.mesh import make_mesh
-    from tfpod.trainer import Trainer
+    from tfpod.config import build_config, build_task_configs, parse_config
 
     parse_config(["gin/lm_tiny.gin"], SMALL + ["train.steps=4", "train.synthetic_data=True"])
     task, model_config, _ = build_task_configs()
-    one_host = Trainer(task, model_config, _build_config("train"), _build_config("optimizer"), make_mesh("data:8"),
-                       sharding.rules_table("data"), str(tmp_path / "restored"))
+    one_host = make_run(task, model_config, build_config("train"), build_config("optimizer"), "data:8",
+                        tmp_path / "restored", preset="data")
     assert one_host.checkpoints.restore(str(tmp_path / "two" / "checkpoints" / "ckpt-4")) == 4
     assert_restores_identically(one_host, str(tmp_path / "two" / "checkpoints" / "ckpt-4"))
 
 
 def test_hosts_read_disjoint_files_and_a_killed_host_stops_the_job_and_the_rerun_resumes(tmp_path):
     d = tmp_path / "run"
-    cmd = [sys.executable, "-m", "tfpod.launch", "--num_hosts=2", "--devices_per_host=4", "--",
-           sys.executable, "main.py", *main_args(d, 400, ["train.checkpoint_every=4"])]
+    cmd = launch_command(2, 4, *main_args(d, 400, ["train.checkpoint_every=4"]))
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     # Wait for a complete checkpoint, then kill host 1 (the process whose env says client 1).
     deadline = time.time() + 300
@@ -105,8 +98,7 @@ def test_hosts_read_disjoint_files_and_a_killed_host_stops_the_job_and_the_rerun
     # reaches both hosts (TensorFlow's runtime had taken SIGTERM over in C++ and ignored it): they
     # save the same step and everything exits 0.
     saved = sorted(int(f[5:-6]) for f in os.listdir(d / "checkpoints") if f.startswith("ckpt-") and f.endswith(".index"))
-    cmd = [sys.executable, "-m", "tfpod.launch", "--num_hosts=2", "--devices_per_host=4", "--",
-           sys.executable, "main.py", *main_args(d, saved[-1] + 400, ["train.checkpoint_every=4"])]
+    cmd = launch_command(2, 4, *main_args(d, saved[-1] + 400, ["train.checkpoint_every=4"]))
     logged = len(_logged_steps(d))
     rerun = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.time() + 300
@@ -136,7 +128,7 @@ def test_without_a_launcher_a_frozen_host_is_named_by_the_heartbeat(tmp_path):
     from tfpod.launch import free_ports, host_env
 
     ports = free_ports(2)
-    cmd = [sys.executable, "main.py", *main_args(tmp_path, 2000, ["train.synthetic_data=True", "train.log_every=2"])]
+    cmd = main_command(*main_args(tmp_path, 2000, ["train.synthetic_data=True", "train.log_every=2"]))
     logs = [open(tmp_path / f"host{h}.log", "w+") for h in range(2)]
     procs = [subprocess.Popen(cmd, cwd=ROOT, env=host_env(h, 2, ports, 4), stdout=logs[h], stderr=subprocess.STDOUT)
              for h in range(2)]

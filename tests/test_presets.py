@@ -9,10 +9,11 @@ import numpy as np
 import pytest
 from tensorflow.experimental import dtensor
 
-from tfpod import optimizers, sharding
+from conftest import make_run
+from tfpod import optimizers, partitioning
+from tfpod.controller import TrainConfig
 from tfpod.mesh import make_mesh
 from tfpod.models import gpt
-from tfpod.trainer import TrainConfig, Trainer
 
 SMALL = dict(vocab_size=256, seq_len=32, num_layers=2, embed_dim=64, num_heads=8, mlp_dim=128)
 
@@ -25,8 +26,7 @@ def make(model_dir, spec, preset, steps=4, sequence_parallel=False, model=None, 
     # pass once reordered the weight-update gather).
     opt_cfg = optimizers.OptimizerConfig(**{"learning_rate": 1e-2, "warmup_steps": 0, "decay_steps": 8,
                                             "clip_norm": 0, **(opt or {})})
-    placement = sharding.ShardingConfig(preset=preset, sequence_parallel=sequence_parallel).trainer_args("tensor")
-    return Trainer(gpt, cfg, train, opt_cfg, make_mesh(spec), model_dir=str(model_dir), **placement)
+    return make_run(gpt.TASK, cfg, train, opt_cfg, spec, model_dir, preset=preset, sequence_parallel=sequence_parallel)
 
 
 @pytest.fixture(scope="module")
@@ -43,9 +43,10 @@ def assert_same_losses(losses, reference_losses):
     assert rel.max() < 1e-4, (losses, reference_losses)
 
 
-def device_bytes(trainer, names, state=False):
-    specs, layouts = (trainer.state_specs, trainer.state_layouts) if state else (trainer.specs, trainer.layouts)
-    return sum(sharding.bytes_per_device(s.shape, s.dtype, layouts[s.name]) for s in specs if names(s.name))
+def device_bytes(run, names, state=False):
+    t = run.trainer
+    specs, layouts = (t.state_specs, t.state_layouts) if state else (t.specs, t.layouts)
+    return sum(partitioning.bytes_per_device(s.shape, s.dtype, layouts[s.name]) for s in specs if names(s.name))
 
 
 def test_tensor_splits_heads_mlp_and_vocab_over_model(tmp_path, reference):
@@ -58,7 +59,7 @@ def test_tensor_splits_heads_mlp_and_vocab_over_model(tmp_path, reference):
     assert device_bytes(trainer, attention) * 4 == device_bytes(ref, attention)
     embedding = lambda n: "token_embedding" in n
     assert device_bytes(trainer, embedding) * 4 == device_bytes(ref, embedding)  # vocab-parallel
-    out = trainer.model.blocks[0].output_dense.kernel  # row-parallel out of the block
+    out = trainer.trainer.model.blocks[0].output_dense.kernel  # row-parallel out of the block
     assert dtensor.fetch_layout(out).sharding_specs == ["model", dtensor.UNSHARDED]
 
 
@@ -66,14 +67,14 @@ def test_2d_also_splits_weights_over_data_and_gathers_them_where_used(tmp_path, 
     ref, ref_losses = reference
     trainer = make(tmp_path, "data:4,model:2", "2d")
     assert_same_losses(trainer.train()["losses"], ref_losses)
-    kernel = trainer.model.blocks[0].intermediate.kernel
+    kernel = trainer.trainer.model.blocks[0].intermediate.kernel
     assert dtensor.fetch_layout(kernel).sharding_specs == ["data", "model"]
     assert dtensor.unpack(kernel.read_value())[0].shape == (64 // 4, 128 // 2)
     every = lambda n: True
     # Every weight with an `embed` dimension is divided over data:4, and heads/mlp/vocab over model:2.
     assert device_bytes(trainer, every) < device_bytes(ref, every) / 4
     assert device_bytes(trainer, every, state=True) < device_bytes(ref, every, state=True) / 4
-    assert "gpt/block_0/intermediate/kernel" in trainer.gathered
+    assert "gpt/block_0/intermediate/kernel" in trainer.trainer.gathered
 
 
 def test_weight_update_shards_optimizer_state_over_data_and_checkpoints_portably(tmp_path, reference):
@@ -87,8 +88,8 @@ def test_weight_update_shards_optimizer_state_over_data_and_checkpoints_portably
     assert device_bytes(trainer, every) == device_bytes(ref, every)  # weights replicated for compute
     copies = lambda n: n.endswith("/update_shard")
     assert device_bytes(trainer, copies, state=True) * 8 == device_bytes(ref, every)
-    kernel = trainer.model.blocks[0].intermediate.kernel
-    assert dtensor.fetch_layout(trainer.optimizer.get_slot(kernel, "m")).sharding_specs == ["data", dtensor.UNSHARDED]
+    kernel = trainer.trainer.model.blocks[0].intermediate.kernel
+    assert dtensor.fetch_layout(trainer.trainer.optimizer.get_slot(kernel, "m")).sharding_specs == ["data", dtensor.UNSHARDED]
     report = open(tmp_path / "layouts.txt").read()
     assert "# adamw optimizer state, update sharded over 'data' on mesh data:8" in report
     assert "gpt/block_0/intermediate/kernel/m" in report and "gpt/block_0/intermediate/kernel/update_shard" in report
@@ -101,43 +102,49 @@ def test_sequence_parallel_and_recomputation(tmp_path, reference):
     """Megatron sequence parallelism over model:2 with per-block recomputation: same losses."""
     _, ref_losses = reference
     trainer = make(tmp_path, "data:4,model:2", "tensor", sequence_parallel=True, model={"remat": True})
-    assert trainer.table["sequence"] == "model"
+    assert trainer.trainer.placement.table["sequence"] == "model"
     assert_same_losses(trainer.train()["losses"], ref_losses)
 
 
+@pytest.mark.unit
 def test_sequence_axis_shards_the_residual_stream(tmp_path):
     import tensorflow as tf
 
     mesh = make_mesh("data:4,model:2")
-    table = sharding.ShardingConfig(preset="tensor", sequence_parallel=True).table("tensor")
+    table = partitioning.ShardingConfig(preset="tensor", sequence_parallel=True).table("tensor")
     x = dtensor.copy_to_mesh(tf.ones([8, 32, 16]), dtensor.Layout.replicated(mesh, 3))
-    with sharding.activation_sharding(mesh, table):
-        y = sharding.shard(x, gpt.ACTIVATION_AXES)
+    with partitioning.activation_sharding(mesh, table):
+        y = partitioning.shard(x, gpt.ACTIVATION_AXES)
     assert dtensor.fetch_layout(y).sharding_specs == ["data", "model", dtensor.UNSHARDED]
 
 
+@pytest.mark.unit
 def test_update_layout_picks_the_first_free_divisible_dimension():
     mesh = make_mesh("data:4,model:2")
     U = dtensor.UNSHARDED
     layout = lambda *specs: dtensor.Layout(list(specs), mesh)
-    assert sharding.update_layout(layout(U, "model"), (64, 128), "data").sharding_specs == ["data", "model"]
-    assert sharding.update_layout(layout(U, U), (6, 8), "data").sharding_specs == [U, "data"]  # 6 % 4
-    assert sharding.update_layout(layout(U,), (6,), "data").sharding_specs == [U]  # nothing divides: as the weight
-    assert sharding.update_layout(layout("data", U), (8, 8), "data").sharding_specs == ["data", U]
-    assert sharding.update_layout(layout(U, U), (8, 8), None).sharding_specs == [U, U]
-    assert sharding.update_layout(layout(U, U), (8, 8), "expert").sharding_specs == [U, U]  # no such axis
+    assert partitioning.update_layout(layout(U, "model"), (64, 128), "data").sharding_specs == ["data", "model"]
+    assert partitioning.update_layout(layout(U, U), (6, 8), "data").sharding_specs == [U, "data"]  # 6 % 4
+    assert partitioning.update_layout(layout(U,), (6,), "data").sharding_specs == [U]  # nothing divides: as the weight
+    assert partitioning.update_layout(layout("data", U), (8, 8), "data").sharding_specs == ["data", U]
+    assert partitioning.update_layout(layout(U, U), (8, 8), None).sharding_specs == [U, U]
+    assert partitioning.update_layout(layout(U, U), (8, 8), "expert").sharding_specs == [U, U]  # no such axis
 
 
+@pytest.mark.unit
 def test_presets_are_tables_and_switches():
-    assert set(sharding.PRESETS) == {"data", "tensor", "2d", "weight_update"}
-    assert sharding.rules_table("2d")["embed"] == "data" and sharding.rules_table("2d")["mlp"] == "model"
-    wu = sharding.ShardingConfig(preset="weight_update").trainer_args("tensor")
-    assert wu["update_axis"] == "data" and wu["gather_axis"] is None
-    assert sharding.ShardingConfig(preset="weight_update", update_axis="").trainer_args("tensor")["update_axis"] is None
-    assert sharding.ShardingConfig(preset="2d").trainer_args("tensor")["gather_axis"] == "data"
-    assert sharding.ShardingConfig(preset="data", rules={"mlp": "model"}).table("tensor")["mlp"] == "model"
+    assert set(partitioning.PRESETS) == {"data", "tensor", "2d", "weight_update"}
+    assert partitioning.rules_table("2d")["embed"] == "data" and partitioning.rules_table("2d")["mlp"] == "model"
+    mesh = make_mesh("data:4,model:2")
+    placement = lambda **kw: partitioning.Placement.from_config(partitioning.ShardingConfig(**kw), "tensor", mesh)
+    wu = placement(preset="weight_update")
+    assert wu.update_axis == "data" and wu.gather_axis is None
+    assert placement(preset="weight_update", update_axis="").update_axis is None
+    assert placement(preset="2d").gather_axis == "data"
+    assert partitioning.ShardingConfig(preset="data", rules={"mlp": "model"}).table("tensor")["mlp"] == "model"
 
 
+@pytest.mark.unit
 def test_recomputation_refuses_dropout():
     from tfpod import UserError
 

@@ -7,7 +7,6 @@ import logging
 import os
 import signal
 import subprocess
-import sys
 import time
 
 import numpy as np
@@ -15,14 +14,12 @@ import pytest
 import tensorflow as tf
 from tensorflow.experimental import dtensor
 
-from tfpod import UserError, checkpoint, optimizers, sharding
-from tfpod.input import feed
-from tfpod.main import run
+from conftest import ROOT, main_command, make_run
+from tfpod import UserError, checkpoint, optimizers, partitioning
+from tfpod.api import run
+from tfpod.controller import Controller, TrainConfig
 from tfpod.mesh import make_mesh
 from tfpod.models import gpt
-from tfpod.trainer import TrainConfig, Trainer
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SMALL = dict(vocab_size=256, seq_len=32, num_layers=1, embed_dim=64, num_heads=8, mlp_dim=128)
 
 
@@ -69,8 +66,8 @@ def test_kill9_then_sigterm_then_relaunch_equals_an_uninterrupted_run(tmp_path, 
     slots and dropout masks restore)."""
     ref = run(["gin/lm_tiny.gin"], KILL_PARAMS, str(tmp_path / "ref"), mesh_spec="data:8")
     d = tmp_path / "run"
-    cmd = [sys.executable, "main.py", "--gin_file=gin/lm_tiny.gin", "--cpu_devices=8", "--mesh=data:8",
-           f"--model_dir={d}"] + [f"--gin_param={p}" for p in KILL_PARAMS]
+    cmd = main_command("--gin_file=gin/lm_tiny.gin", "--cpu_devices=8", "--mesh=data:8", f"--model_dir={d}",
+                       *[f"--gin_param={p}" for p in KILL_PARAMS])
     start = lambda: subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
     first = start()
@@ -122,8 +119,8 @@ def test_a_checkpoint_write_the_disk_refuses_is_one_line_and_loses_nothing(tmp_p
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
         resource.setrlimit(resource.RLIMIT_FSIZE, (512 * 1024, 512 * 1024))
 
-    cmd = [sys.executable, "main.py", "--gin_file=gin/lm_tiny.gin", "--cpu_devices=8", "--mesh=data:8",
-           f"--model_dir={d}"] + [f"--gin_param={p}" for p in params + ["train.steps=4"]]
+    cmd = main_command("--gin_file=gin/lm_tiny.gin", "--cpu_devices=8", "--mesh=data:8", f"--model_dir={d}",
+                       *[f"--gin_param={p}" for p in params + ["train.steps=4"]])
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600, preexec_fn=limit_file_size)
     assert proc.returncode == 1, proc.stderr[-3000:]
     last = proc.stderr.strip().splitlines()[-1]
@@ -140,14 +137,13 @@ def test_a_checkpoint_write_the_disk_refuses_is_one_line_and_loses_nothing(tmp_p
 # -- checkpoints ----------------------------------------------------------------------------
 
 
-def train(model_dir, mesh_spec="data:4,model:2", preset="tensor", steps=4, model=None, task=gpt, **kw):
+def train(model_dir, mesh_spec="data:4,model:2", preset="tensor", steps=4, model=None, task=gpt.TASK, **kw):
     cfg = gpt.GPTConfig(**{**SMALL, **(model or {})})
     args = dict(steps=steps, global_batch_size=16, steps_per_loop=2, log_every=2, checkpoint_every=100,
                 synthetic_data=True, seed=1)
     args.update(kw)
     opt = optimizers.OptimizerConfig(learning_rate=1e-2, warmup_steps=0, decay_steps=8)
-    return Trainer(task, cfg, TrainConfig(**args), opt, make_mesh(mesh_spec), sharding.rules_table(preset),
-                   str(model_dir))
+    return make_run(task, cfg, TrainConfig(**args), opt, mesh_spec, model_dir, preset=preset)
 
 
 def test_resume_is_exact_past_corrupt_and_partial_checkpoints(tmp_path, caplog):
@@ -156,7 +152,7 @@ def test_resume_is_exact_past_corrupt_and_partial_checkpoints(tmp_path, caplog):
     the one, reports and moves aside the other, resumes from ckpt-2, and every resumed
     step matches (rel 1e-6). Tensor-parallel, with every dropout on: the replicas of a
     replicated weight stay equal (DTensor's seed reuse once made them drift apart; see
-    sharding.random_layout), so the checkpoint (one replica) continues the same run."""
+    partitioning.random_layout), so the checkpoint (one replica) continues the same run."""
     model = dict(dropout=0.2, attention_dropout=0.2)
     straight = train(tmp_path / "full", steps=8, model=model)
     full = straight.train()["losses"]
@@ -179,14 +175,14 @@ def test_resume_is_exact_past_corrupt_and_partial_checkpoints(tmp_path, caplog):
     assert len(out["losses"]) == 6  # resumed at step 2
     np.testing.assert_allclose(out["losses"], full[2:], rtol=1e-6)
     assert glob.glob(str(d / "checkpoints" / "ckpt-4.corrupt.0.data-*"))  # kept, not overwritten
-    assert int(trainer.step_var.numpy()) == 8
+    assert int(trainer.trainer.step.numpy()) == 8
     again = train(d, steps=8, model=model).train()
     assert again["losses"] == [] and again["step"] == 8  # nothing left to train
 
 
-def assert_replicas_agree(trainer: Trainer) -> None:
+def assert_replicas_agree(run: Controller) -> None:
     """Every device holding a replicated weight holds the same values (read inside a function)."""
-    replicated = [v for v in trainer.model.trainable_variables if dtensor.fetch_layout(v).is_fully_replicated()]
+    replicated = [v for v in run.trainer.model.trainable_variables if dtensor.fetch_layout(v).is_fully_replicated()]
     assert replicated
     for v, value in zip(replicated, tf.function(lambda: [tf.identity(v) for v in replicated])()):
         parts = [p.numpy() for p in dtensor.unpack(value)]
@@ -200,7 +196,7 @@ def _gathered(v) -> np.ndarray:
                                                                             value.shape.rank)))[0].numpy()
 
 
-def assert_restores_identically(trainer: Trainer, path: str) -> None:
+def assert_restores_identically(trainer: Controller, path: str) -> None:
     """Every weight and optimizer slot of `trainer` (after restoring) equals checkpoint `path`."""
     stored = checkpoint_values(path)
     live = checkpoint.variables_by_key(trainer.checkpoints._ckpt)
@@ -214,7 +210,7 @@ def assert_restores_identically(trainer: Trainer, path: str) -> None:
 # -- NaN and Inf losses ---------------------------------------------------------------------
 
 
-class PoisonedBatches:
+class PoisonedBatches(gpt.GPTTask):
     """gpt whose loss is NaN on given synthetic batches (by batch index: a bad batch, not a bad step);
     with gradient=True the loss stays finite and the gradient is NaN instead (the issue's lr=1e9 run:
     loss 6.5e18, gradient norm NaN)."""
@@ -224,9 +220,6 @@ class PoisonedBatches:
         self.sums = [int(gpt.synthetic_batch(cfg, 16, np.random.default_rng([seed, i]))["inputs"].astype(np.int64).sum())
                      for i in batch_indices]
         self.gradient = gradient
-
-    def __getattr__(self, name):
-        return getattr(gpt, name)
 
     def loss_and_metrics(self, model, batch, training):
         loss, metrics = gpt.loss_and_metrics(model, batch, training)
@@ -261,12 +254,12 @@ def test_nonfinite_steps_never_reach_the_weights_or_a_checkpoint(tmp_path, caplo
     assert all(np.isfinite(v).all() for v in checkpoint_values(str(tmp_path / "stop_grad" / "checkpoints" / "ckpt-2")).values())
 
     # No checkpoint of NaN weights; one written by an older version is moved aside at resume.
-    weight = stopped.model.final_norm.gamma
+    weight = stopped.trainer.model.final_norm.gamma
     weight.assign(dtensor.relayout(weight.read_value() * float("nan"), dtensor.fetch_layout(weight)))
     with pytest.raises(checkpoint.NonfiniteState) as e:
         stopped.checkpoints.save()
     assert "hold NaN or Inf (model/final_norm/gamma)" in str(e.value)
-    stopped.step_var.assign_add(1)
+    stopped.trainer.step.assign_add(1)
     stopped.checkpoints._manager.save(checkpoint_number=3)  # as tfpod before this check did
     with caplog.at_level(logging.WARNING, logger="tfpod"):
         assert train(tmp_path / "stop", **kw).checkpoints.restore_latest() == 2
@@ -276,7 +269,7 @@ def test_nonfinite_steps_never_reach_the_weights_or_a_checkpoint(tmp_path, caplo
     # That data:8 checkpoint restores on data:2,model:4 under the tensor preset with identical values.
     moved = train(tmp_path / "stop", mesh_spec="data:2,model:4", preset="tensor", steps=6)
     assert moved.checkpoints.restore_latest() == 2
-    assert dtensor.fetch_layout(moved.model.blocks[0].intermediate.kernel).sharding_specs == [
+    assert dtensor.fetch_layout(moved.trainer.model.blocks[0].intermediate.kernel).sharding_specs == [
         dtensor.UNSHARDED, "model"]
     assert_restores_identically(moved, newest)
 
@@ -343,13 +336,14 @@ def test_reruns_that_cannot_go_on_write_nothing(tmp_path):
     assert saved() == before  # nothing written over, nothing added
 
 
+@pytest.mark.unit
 def test_batch_must_divide_over_the_hosts_and_the_data_axis_over_the_hosts():
     mesh = make_mesh("data:4,model:2")
     with pytest.raises(UserError, match="global_batch_size=12 does not divide over the 8 hosts: use a multiple of 8"):
-        feed.host_rows(12, mesh, "data", num_hosts=8)
+        partitioning.host_rows(12, mesh, "data", num_hosts=8)
     with pytest.raises(UserError, match="mesh axis 'data' of size 4 does not divide over the 8 hosts"):
-        feed.host_rows(16, mesh, "data", num_hosts=8)
-    assert feed.host_rows(16, mesh, "data", num_hosts=2) == 16  # one process holds every shard here
+        partitioning.host_rows(16, mesh, "data", num_hosts=8)
+    assert partitioning.host_rows(16, mesh, "data", num_hosts=2) == 16  # one process holds every shard here
 
 
 @pytest.mark.parametrize(
@@ -371,6 +365,7 @@ def test_batch_must_divide_over_the_hosts_and_the_data_axis_over_the_hosts():
         (["sharding.preset='data'"], "data:4,model:2", "mesh axis 'model' (size 2) is used by no rule of preset 'data'"),
     ],
 )
+@pytest.mark.unit
 def test_bad_settings_are_one_line(tmp_path, params, mesh, needle):
     with pytest.raises(UserError) as e:
         run(["gin/lm_tiny.gin"], params + ["train.synthetic_data=True"], str(tmp_path), mesh_spec=mesh)
@@ -378,6 +373,7 @@ def test_bad_settings_are_one_line(tmp_path, params, mesh, needle):
     assert not os.listdir(tmp_path)  # nothing written
 
 
+@pytest.mark.unit
 def test_unwritable_model_dir_is_one_line(tmp_path):
     blocker = tmp_path / "a_file"
     blocker.write_text("not a folder")

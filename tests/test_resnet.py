@@ -12,12 +12,14 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from tfpod import UserError, optimizers, sharding
+from conftest import make_run
+from tfpod import UserError, optimizers, partitioning
 from tfpod.input import images
-from tfpod.main import run
+from tfpod.input.common import ShardInfo
+from tfpod.api import run
 from tfpod.mesh import make_mesh
 from tfpod.models import resnet
-from tfpod.trainer import TrainConfig, Trainer
+from tfpod.controller import TrainConfig
 
 TINY = dict(depth=10, depth_multiplier=0.25, image_size=32, num_classes=10)
 
@@ -32,12 +34,13 @@ def write_imagenet_tfrecord(path, labels, sizes):
             w.write(images.image_example(jpeg, label, h, w_).SerializeToString())
 
 
+@pytest.mark.unit
 def test_pipeline_reads_standard_imagenet_tfrecord(tmp_path):
     path = str(tmp_path / "train-00000-of-00001")
     labels = [1, 5, 10, 3, 7]  # 1-based, as Model Garden's ImageNet conversion writes them
     write_imagenet_tfrecord(path, labels, [(40, 60), (64, 48), (33, 33), (80, 50), (50, 70)])
     cfg = images.ImageDataConfig(train_files=path, eval_files=path, label_offset=1)
-    train = images.image_dataset(cfg, path, 32, 10, host_rows=4, num_hosts=1, host_id=0, seed=3, training=True)
+    train = images.image_dataset(cfg, path, 32, 10, host_rows=4, shard=ShardInfo(0, 1), seed=3, training=True)
     batches = [{k: v.numpy() for k, v in b.items()} for b in train.take(3)]
     first = batches[0]
     assert first["images"].shape == (4, 32, 32, 3) and first["images"].dtype == np.float32
@@ -46,23 +49,25 @@ def test_pipeline_reads_standard_imagenet_tfrecord(tmp_path):
     seen = np.concatenate([b["labels"] for b in batches])
     assert set(seen) <= {l - 1 for l in labels} and len(set(seen)) > 1
     assert abs(float(first["images"].mean())) < 3.0  # normalized by the ImageNet mean and stddev
-    again = next(iter(images.image_dataset(cfg, path, 32, 10, 4, 1, 0, seed=3, training=True)))
+    again = next(iter(images.image_dataset(cfg, path, 32, 10, 4, ShardInfo(0, 1), seed=3, training=True)))
     np.testing.assert_array_equal(again["images"].numpy(), first["images"])  # seeded: deterministic
 
-    evals = list(images.image_dataset(cfg, path, 32, 10, host_rows=4, num_hosts=1, host_id=0, seed=3, training=False))
+    evals = list(images.image_dataset(cfg, path, 32, 10, host_rows=4, shard=ShardInfo(0, 1), seed=3, training=False))
     assert [int(b["labels"].shape[0]) for b in evals] == [4, 1]  # one pass, short last batch kept
     np.testing.assert_array_equal(np.concatenate([b["labels"].numpy() for b in evals]), np.array(labels) - 1)
 
 
+@pytest.mark.unit
 def test_label_out_of_range_names_label_offset(tmp_path):
     path = str(tmp_path / "bad.tfrecord")
     write_imagenet_tfrecord(path, [10], [(40, 40)])  # 10 classes, label 10 with no offset
     cfg = images.ImageDataConfig()
-    ds = images.image_dataset(cfg, path, 32, 10, host_rows=1, num_hosts=1, host_id=0, seed=0, training=False)
+    ds = images.image_dataset(cfg, path, 32, 10, host_rows=1, shard=ShardInfo(0, 1), seed=0, training=False)
     with pytest.raises(tf.errors.InvalidArgumentError, match="label_offset"):
         next(iter(ds))
 
 
+@pytest.mark.unit
 def test_demo_set_is_prepared_in_imagenet_format():
     data_dir = images.ensure()
     manifest = json.load(open(os.path.join(data_dir, images.MANIFEST)))
@@ -76,19 +81,21 @@ def test_demo_set_is_prepared_in_imagenet_format():
     assert image.shape == (32, 32, 3) and 0 <= ex["image/class/label"].int64_list.value[0] < 10
 
 
+@pytest.mark.unit
 def test_resnet50_flops_and_rules_cover_every_variable():
     r50 = resnet.ResNetConfig()
     assert 4.0e9 < resnet.forward_macs(r50) < 4.2e9  # the published 4.1 GMACs at 224x224
     assert resnet.flops_per_token(r50) == 6 * resnet.forward_macs(r50)
     cfg = resnet.ResNetConfig(**TINY)
-    specs = sharding.variable_specs(lambda: resnet.build(cfg), resnet.input_signature(cfg))
+    specs = partitioning.variable_specs(lambda: resnet.TASK.build(cfg), resnet.input_signature(cfg))
     assert any(s.name.endswith("moving_mean") for s in specs)  # batch-norm statistics have rules too
     mesh = make_mesh("data:4,model:2")
-    layouts = sharding.resolve(specs, resnet.AXIS_RULES, sharding.rules_table("tensor"), mesh)
+    layouts = partitioning.resolve(specs, resnet.AXIS_RULES, partitioning.rules_table("tensor"), mesh)
     assert layouts["resnet/logits/kernel"].sharding_specs == ["unsharded", "model"]  # class-parallel
     assert all(l.is_fully_replicated() for n, l in layouts.items() if "logits" not in n)
 
 
+@pytest.mark.unit
 def test_config_errors_are_one_line(tmp_path):
     for param, needle in [("resnet.depth=7", "resnet.depth=7"), ("image_data.area_range=(0.5, 2.0)", "area_range")]:
         with pytest.raises(UserError, match=needle) as e:
@@ -96,6 +103,7 @@ def test_config_errors_are_one_line(tmp_path):
         assert "\n" not in str(e.value)
 
 
+@pytest.mark.unit
 def test_reference_config_is_the_mlperf_recipe():
     import gin
 
@@ -115,8 +123,7 @@ def make(model_dir, spec, preset):
                         synthetic_data=True, seed=1)
     opt = optimizers.OptimizerConfig(name="lars", learning_rate=1.0, warmup_steps=0, decay_steps=8, clip_norm=0,
                                      weight_decay=5e-5, exclude_from_weight_decay=["batch_normalization", "bias"])
-    placement = sharding.ShardingConfig(preset=preset).trainer_args(resnet.DEFAULT_PRESET)
-    return Trainer(resnet, cfg, train, opt, make_mesh(spec), model_dir=str(model_dir), **placement)
+    return make_run(resnet.TASK, cfg, train, opt, spec, model_dir, preset=preset)
 
 
 def test_data8_equals_data4_model2_tensor(tmp_path):
@@ -128,6 +135,7 @@ def test_data8_equals_data4_model2_tensor(tmp_path):
     assert np.max(np.abs(tensor - ref) / np.abs(ref)) < 1e-4, (tensor, ref)
 
 
+@pytest.mark.unit
 def test_spatial_partitioning_is_refused_in_one_line(tmp_path):
     with pytest.raises(UserError, match="spatial partitioning"):
         run(["gin/resnet50_tiny.gin"], ["resnet.depth=10", "train.steps=1", "sharding.sequence_parallel=True",

@@ -6,10 +6,13 @@ import pytest
 import tf_keras
 from tensorflow.experimental import dtensor
 
-from tfpod import UserError, sharding
+from conftest import make_run
+from tfpod import UserError, partitioning
 from tfpod.mesh import make_mesh
 from tfpod.models import gpt
-from tfpod.sharding import AxisRule, VarSpec, layout_report, resolve, rules_table
+from tfpod.partitioning import AxisRule, VarSpec, layout_report, resolve, rules_table
+
+pytestmark = pytest.mark.unit  # no subprocess, no multi-device training
 
 U = dtensor.UNSHARDED
 
@@ -36,12 +39,12 @@ def test_layouts_follow_the_table(mesh):
 
 def test_mesh_axis_absent_means_replicated():
     mesh = make_mesh("data:8")
-    layout = sharding.layout_for(("batch", "length", "vocab"), TENSOR, mesh)
+    layout = partitioning.layout_for(("batch", "length", "vocab"), TENSOR, mesh)
     assert layout.sharding_specs == ["data", U, U]
 
 
 def test_a_mesh_axis_shards_one_dimension_only(mesh):
-    layout = sharding.layout_for(("heads", "mlp"), TENSOR, mesh)
+    layout = partitioning.layout_for(("heads", "mlp"), TENSOR, mesh)
     assert layout.sharding_specs == ["model", U]
 
 
@@ -122,7 +125,7 @@ def test_validation_happens_before_allocation(mesh, monkeypatch):
 
     def build(mlp_dim):
         cfg = gpt.GPTConfig(vocab_size=64, seq_len=8, num_layers=1, embed_dim=16, num_heads=4, mlp_dim=mlp_dim)
-        return sharding.build_sharded(lambda: gpt.build(cfg), gpt.input_signature(cfg), mesh, gpt.AXIS_RULES, TENSOR)
+        return partitioning.build_sharded(lambda: gpt.TASK.build(cfg), gpt.input_signature(cfg), mesh, gpt.AXIS_RULES, TENSOR)
 
     with pytest.raises(UserError, match="gpt/block_0/intermediate/kernel \\(16, 33\\)"):
         build(33)
@@ -160,17 +163,16 @@ def test_golden_layouts(tmp_path, model, preset, spec):
     Regenerate with TFPOD_UPDATE_GOLDEN=1 after a deliberate change.
     """
     from tfpod import optimizers
-    from tfpod.config import parse_config, build_config as _build_config
+    from tfpod.config import build_config, parse_config
+    from tfpod.controller import TrainConfig
     from tfpod.models import get_task
-    from tfpod.trainer import TrainConfig, Trainer
 
     tf_keras.backend.clear_session()  # Keras's auto-names (batch_normalization_N) count layers made before
     parse_config([f"gin/model/{model}.gin"], [])
-    task = get_task(_build_config("experiment").model)
-    placement = sharding.ShardingConfig(preset=preset).trainer_args(task.DEFAULT_PRESET)
-    trainer = Trainer(task, _build_config(task.NAME), TrainConfig(steps=1, global_batch_size=8),
-                      optimizers.OptimizerConfig(), make_mesh(spec), model_dir=str(tmp_path), **placement)
-    report = trainer.layout_text  # (written to layouts.txt when training starts)
+    task = get_task(build_config("experiment").model)
+    run = make_run(task, build_config(task.name), TrainConfig(steps=1, global_batch_size=8),
+                   optimizers.OptimizerConfig(), spec, tmp_path, preset=preset)
+    report = run.trainer.layout_report()  # (written to layouts.txt when training starts)
     path = os.path.join(GOLDEN, f"layouts_{model}_{preset}_{spec.replace(':', '').replace(',', '_')}.txt")
     if os.environ.get("TFPOD_UPDATE_GOLDEN"):
         os.makedirs(GOLDEN, exist_ok=True)
@@ -185,7 +187,7 @@ def test_gpt_small_is_125m_parameters():
     import math
 
     cfg = gpt.GPTConfig(vocab_size=50304, seq_len=1024, num_layers=12, embed_dim=768, num_heads=12, mlp_dim=3072)
-    specs = sharding.variable_specs(lambda: gpt.build(cfg), gpt.input_signature(cfg))
+    specs = partitioning.variable_specs(lambda: gpt.TASK.build(cfg), gpt.input_signature(cfg))
     n = sum(math.prod(s.shape) for s in specs)
     assert 120e6 < n < 130e6, n
 
@@ -194,14 +196,14 @@ def test_activation_helpers_relayout_inside_the_context(mesh):
     import tensorflow as tf
 
     x = dtensor.copy_to_mesh(tf.ones([8, 4, 16]), dtensor.Layout.replicated(mesh, 3))
-    assert sharding.shard(x, ("batch", "length", "embed")) is x  # no context: unchanged
-    with sharding.activation_sharding(mesh, TENSOR):
-        sharded = sharding.shard(x, ("batch", "length", "mlp"))
+    assert partitioning.shard(x, ("batch", "length", "embed")) is x  # no context: unchanged
+    with partitioning.activation_sharding(mesh, TENSOR):
+        sharded = partitioning.shard(x, ("batch", "length", "mlp"))
         assert dtensor.fetch_layout(sharded).sharding_specs == ["data", U, "model"]
-        split = sharding.split(x, 1, "model")
+        split = partitioning.split(x, 1, "model")
         assert dtensor.fetch_layout(split).sharding_specs == [U, "model", U]
-        back = sharding.replicate(sharded)
+        back = partitioning.replicate(sharded)
         assert dtensor.fetch_layout(back).sharding_specs == [U, U, U]
         assert float(tf.reduce_sum(back)) == 8 * 4 * 16
         with pytest.raises(ValueError, match="got 2 logical axes"):
-            sharding.shard(x, ("batch", "length"))
+            partitioning.shard(x, ("batch", "length"))

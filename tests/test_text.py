@@ -6,7 +6,6 @@ random documents with block sizes that put block boundaries mid-row.
 
 import io
 import math
-import os
 
 import numpy as np
 import pytest
@@ -15,6 +14,8 @@ import tensorflow as tf
 
 from tfpod import UserError
 from tfpod.input import text
+
+pytestmark = pytest.mark.unit  # no subprocess, no multi-device training
 
 EOS = 99
 WORDS = "the quick brown fox jumps over lazy dog and cat runs far away into deep green forest".split()
@@ -365,7 +366,7 @@ def test_gpt_attends_only_within_segments_and_restarts_positions():
 
     tf_keras.utils.set_random_seed(0)
     cfg = gpt.GPTConfig(vocab_size=32, seq_len=8, num_layers=2, embed_dim=16, num_heads=4, mlp_dim=32)
-    model = gpt.build(cfg)
+    model = gpt.TASK.build(cfg)
     seg = tf.constant([[1, 1, 1, 2, 2, 2, 0, 0]])
     pos = tf.constant([[0, 1, 2, 0, 1, 2, 0, 0]])
     a = tf.constant([[5, 6, 7, 9, 10, 11, 0, 0]])

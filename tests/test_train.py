@@ -2,21 +2,18 @@
 
 import json
 import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 import tensorflow as tf
 from tensorflow.experimental import dtensor
 
-from tfpod import UserError, optimizers, sharding
-from tfpod.main import run
+from conftest import main_py, make_run
+from tfpod import UserError, optimizers
+from tfpod.api import run
+from tfpod.controller import TrainConfig
 from tfpod.mesh import make_mesh
 from tfpod.models import gpt
-from tfpod.trainer import TrainConfig, Trainer
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SMALL = dict(vocab_size=256, seq_len=32, num_layers=2, embed_dim=64, num_heads=8, mlp_dim=128)
 
 
@@ -26,8 +23,8 @@ def train(model_dir, mesh, steps=4, preset="tensor", model=None, opt=None, **tra
               synthetic_data=True, seed=1)
     kw.update(train_kw)
     opt_cfg = optimizers.OptimizerConfig(**{"learning_rate": 1e-2, "warmup_steps": 0, "decay_steps": 8, **(opt or {})})
-    trainer = Trainer(gpt, cfg, TrainConfig(**kw), opt_cfg, mesh, sharding.rules_table(preset), str(model_dir))
-    return trainer, trainer.train()
+    controller = make_run(gpt.TASK, cfg, TrainConfig(**kw), opt_cfg, mesh, model_dir, preset=preset)
+    return controller.trainer, controller.train()
 
 
 # The same small LM as gin bindings, for runs through main.py.
@@ -38,6 +35,7 @@ SMALL_PARAMS = [f"gpt.{k}={v}" for k, v in SMALL.items()] + [
 ]
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("norm_first", [True, False], ids=["pre_norm_gpt", "post_norm_bert"])
 def test_block_equals_model_gardens_transformer_encoder_block(norm_first):
     """gpt.Block (2-D matmuls) computes Model Garden's TransformerEncoderBlock with the same
@@ -70,9 +68,8 @@ def test_meshes_give_the_single_device_loss(tmp_path):
     The reference runs the real main.py in a process with one CPU device.
     """
     ref_dir = tmp_path / "one"
-    cmd = [sys.executable, "main.py", "--gin_file=gin/lm_tiny.gin", "--cpu_devices=1", "--mesh=data:1,model:1",
-           f"--model_dir={ref_dir}"] + [f"--gin_param={p}" for p in SMALL_PARAMS]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    proc = main_py("--gin_file=gin/lm_tiny.gin", "--cpu_devices=1", "--mesh=data:1,model:1", f"--model_dir={ref_dir}",
+                   *[f"--gin_param={p}" for p in SMALL_PARAMS])
     assert proc.returncode == 0, proc.stderr[-3000:]
     ref_losses = np.array([json.loads(l)["loss"] for l in open(ref_dir / "metrics.jsonl")])
     assert len(ref_losses) == 4 and np.ptp(ref_losses) > 1e-3  # the weights moved
@@ -140,10 +137,11 @@ def test_other_optimizers_train(tmp_path, name, lr):
     kernel = trainer.model.blocks[0].intermediate.kernel
     before = tf.train.load_variable(str(tmp_path / "checkpoints" / "ckpt-1"),
                                     "model/blocks/0/intermediate/kernel/.ATTRIBUTES/VARIABLE_VALUE")
-    after = dtensor.unpack(dtensor.relayout(kernel.read_value(), dtensor.Layout.replicated(trainer.mesh, 2)))[0]
+    mesh = trainer.placement.mesh
+    after = dtensor.unpack(dtensor.relayout(kernel.read_value(), dtensor.Layout.replicated(mesh, 2)))[0]
     assert np.abs(after.numpy() - before).max() > 0  # step 2 moved the weights
     slots = optimizers.slot_variables(trainer.optimizer)
-    assert slots and all(dtensor.fetch_layout(s).mesh == trainer.mesh for s in slots)
+    assert slots and all(dtensor.fetch_layout(s).mesh == mesh for s in slots)
 
 
 def test_batch_must_divide_over_data_axis(tmp_path):

@@ -17,7 +17,8 @@ import tensorflow as tf
 
 from tfpod import UserError, evaluation
 from tfpod.input import prepare, translation
-from tfpod.main import run
+from tfpod.input.common import ShardInfo
+from tfpod.api import run
 from tfpod.mesh import make_mesh
 from tfpod.models import transformer
 
@@ -54,6 +55,7 @@ def expected_row(sp, text, length):
     return ids + [0] * (length - len(ids))
 
 
+@pytest.mark.unit
 def test_pipeline_reads_wmt_records_and_tokenizes_like_sentencepiece(tmp_path, vocab):
     path = write_wmt_records(tmp_path / "newstest.tfrecord", PAIRS)
     sp = translation.sentencepiece(vocab)
@@ -61,7 +63,7 @@ def test_pipeline_reads_wmt_records_and_tokenizes_like_sentencepiece(tmp_path, v
         cfg = translation.TranslationDataConfig(train_files=path, eval_files=path, src_lang="en", tgt_lang="de",
                                                 vocab_path=vocab, long_pairs=long_pairs, shuffle_buffer=0)
         evals = [{k: v.numpy() for k, v in b.items()} for b in
-                 translation.translation_dataset(cfg, path, vocab, SRC_LEN, TGT_LEN, 2, 1, 0, 0, training=False)]
+                 translation.translation_dataset(cfg, path, vocab, SRC_LEN, TGT_LEN, 2, ShardInfo(0, 1), 0, training=False)]
         assert [len(b["inputs"]) for b in evals] == [2, 2, 1]  # one pass, short last batch kept
         got = {k: np.concatenate([b[k] for b in evals]) for k in evals[0]}
         assert got["inputs"].dtype == np.int32 and got["weights"].dtype == np.float32
@@ -69,34 +71,36 @@ def test_pipeline_reads_wmt_records_and_tokenizes_like_sentencepiece(tmp_path, v
         np.testing.assert_array_equal(got["inputs"], [expected_row(sp, s, SRC_LEN) for s, _ in PAIRS])
         np.testing.assert_array_equal(got["targets"], [expected_row(sp, t, TGT_LEN) for _, t in PAIRS])
         np.testing.assert_array_equal(got["weights"], got["targets"] > 0)
-        train = translation.translation_dataset(cfg, path, vocab, SRC_LEN, TGT_LEN, 2, 1, 0, 0, training=True)
+        train = translation.translation_dataset(cfg, path, vocab, SRC_LEN, TGT_LEN, 2, ShardInfo(0, 1), 0, training=True)
         seen = np.concatenate([b["inputs"].numpy() for b in train.take(8)])  # 16 rows: 4 or 5 pairs repeated
         long_row = expected_row(sp, PAIRS[2][0], SRC_LEN)
         assert any((r == long_row).all() for r in seen) == (long_pairs == "truncate")  # filtered, or cut
         assert len({tuple(r) for r in seen}) == (4 if long_pairs == "filter" else 5)
     model = transformer.TransformerConfig(vocab_size=2048, src_len=SRC_LEN, tgt_len=TGT_LEN)
-    task_input = transformer.make_input(cfg, model, num_hosts=1, host_id=0, seed=0)
+    task_input = transformer.TASK.make_input(cfg, model, ShardInfo(0, 1), 0)
     assert model.vocab_path == vocab  # BLEU detokenizes with the input's vocabulary
     assert next(iter(task_input.train(4)))["targets"].shape == (4, TGT_LEN)
 
 
+@pytest.mark.unit
 def test_missing_feature_and_small_vocabulary_are_one_line_errors(tmp_path, vocab):
     path = write_wmt_records(tmp_path / "train.tfrecord", PAIRS[:2], src="en", tgt="fr")
     model = transformer.TransformerConfig(vocab_size=2048, src_len=SRC_LEN, tgt_len=TGT_LEN)
     cfg = translation.TranslationDataConfig(train_files=path, src_lang="en", tgt_lang="de", vocab_path=vocab)
     with pytest.raises(UserError) as e:
-        transformer.make_input(cfg, model, num_hosts=1, host_id=0, seed=0)
+        transformer.TASK.make_input(cfg, model, ShardInfo(0, 1), 0)
     message = str(e.value)
     assert f"records in {path} lack feature 'de' (translation_data.tgt_lang; found: en, fr)" in message
     assert "set translation_data.src_lang and translation_data.tgt_lang" in message and "\n" not in message
     small = transformer.TransformerConfig(vocab_size=1024, src_len=SRC_LEN, tgt_len=TGT_LEN)
     with pytest.raises(UserError, match="has 2048 pieces but the model has transformer.vocab_size=1024"):
-        transformer.make_input(translation.TranslationDataConfig(train_files=path, src_lang="en", tgt_lang="fr",
-                                                                 vocab_path=vocab), small, 1, 0, 0)
+        transformer.TASK.make_input(translation.TranslationDataConfig(train_files=path, src_lang="en", tgt_lang="fr",
+                                                                      vocab_path=vocab), small, ShardInfo(0, 1), 0)
     with pytest.raises(UserError, match=r"translation_data.long_pairs='drop': use one of filter, truncate"):
         translation.TranslationDataConfig(long_pairs="drop")
 
 
+@pytest.mark.unit
 def test_function_pairs_take_code_without_docstring_and_first_line():
     source = '''
 @decorator
@@ -124,6 +128,7 @@ class C:
     assert pairs[1][0] == "async def fetch(self):\n    await self.go()\n    return 1\n"
 
 
+@pytest.mark.unit
 def test_demo_set_is_prepared_with_disjoint_splits():
     data_dir = translation.ensure()
     manifest = json.load(open(f"{data_dir}/manifest.json"))
@@ -145,6 +150,7 @@ def test_demo_set_is_prepared_with_disjoint_splits():
         assert ast.get_docstring(function) is None and doc.strip() == doc and len(doc) >= 3
 
 
+@pytest.mark.unit
 def test_bleu_statistics_summed_over_hosts_equal_sacrebleu_corpus_bleu():
     references = ["Return the sum of two numbers.", "Open the file and read it.", "Print a greeting.",
                   "Sort the list in place.", "Close the connection to the server."]
@@ -161,6 +167,7 @@ def test_bleu_statistics_summed_over_hosts_equal_sacrebleu_corpus_bleu():
     assert transformer.bleu_from_statistics(transformer.bleu_statistics([], [], True)) == 0.0
 
 
+@pytest.mark.unit
 def test_decode_rows_skip_padding_and_split_the_examples_over_hosts():
     def batch(weights):
         n = len(weights)

@@ -8,7 +8,10 @@ before TensorFlow is first imported.
 import os as _os
 
 _os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")
-_os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # C++ INFO/WARNING/grappler noise
+# TensorFlow's C++ log level: the user's when set (tfpod.console keeps it), else INFO and
+# WARNING hidden; the command line also hides ERROR-level start-up noise (tfpod.console).
+USER_TF_LOG_LEVEL = _os.environ.get("TF_CPP_MIN_LOG_LEVEL")
+_os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 # Installed, `input/` and `models/` are the subpackages tfpod.input and tfpod.models
 # (setup.py package_dir). In a source checkout they sit beside tfpod/, so the
@@ -31,12 +34,12 @@ class UserError(Exception):
 
 
 # Public names, imported on first use so `import tfpod` stays free of TensorFlow:
-#   tfpod.make_mesh("data:-1,model:2")        -> tfpod.mesh.make_mesh
-#   with tfpod.sharding(mesh, rules=...): ... -> tfpod.keras.sharding (tfpod.sharding is the
-#                                                partitioning module, callable; see its end)
-#   tfpod.keras.Checkpoint, tfpod.input.to_mesh
-_LAZY = {"make_mesh": ("tfpod.mesh", "make_mesh")}
-_SUBMODULES = ("sharding", "keras", "mesh", "runtime", "input")
+#   tfpod.make_mesh("data:-1,model:2")         -> tfpod.mesh.make_mesh
+#   with tfpod.sharding(mesh, rules=...): ...  -> tfpod.keras.sharding (a user's Keras model, sharded)
+#   tfpod.run(gin_files, gin_params, model_dir, mode) -> tfpod.api.run (what main.py runs)
+_LAZY = {"make_mesh": ("tfpod.mesh", "make_mesh"), "sharding": ("tfpod.keras", "sharding"),
+         "run": ("tfpod.api", "run")}
+_SUBMODULES = ("partitioning", "keras", "mesh", "runtime", "input", "api", "config")
 
 
 def __getattr__(name):

@@ -9,7 +9,7 @@ and readable, saves every `checkpoint_every` steps and at the end, and keeps the
 A resumed run repeats an uninterrupted one exactly because everything a step depends
 on is restored or is a function of the step: weights, optimizer slots and step (the
 sharded checkpoint), the input position (`InputCheckpoint`), synthetic batches (seeded
-by the step) and dropout masks (`replayable_dropout`: seeded by the step, not by a
+by the step) and dropout masks (tfpod.partitioning.dropout: seeded by the step, not by a
 random state that a killed process loses).
 
 Writes are atomic: TensorFlow writes a checkpoint's files under temporary names and
@@ -26,17 +26,15 @@ one a run can go on from, and keeping the newest `keep` never drops the last fin
 
 from __future__ import annotations
 
-import functools
 import json
 import logging
 import os
-import zlib
 
 import numpy as np
 import tensorflow as tf
 from tensorflow.experimental import dtensor
 
-from tfpod import UserError, preemption, runtime
+from tfpod import UserError, compat, preemption, runtime
 
 log = logging.getLogger("tfpod")
 
@@ -266,10 +264,7 @@ def quarantine(path: str, kind: str = "corrupt") -> str:
 
 def variables_by_key(ckpt: tf.train.Checkpoint) -> dict[str, tf.Variable]:
     """{checkpoint key: variable} of every variable `ckpt` saves (optimizer slots included)."""
-    from tensorflow.python.checkpoint import graph_view, util
-
-    objects, _, _, _, names = util.objects_ids_and_slot_variables_and_paths(graph_view.ObjectGraphView(ckpt))
-    return {f"{names[o]}/.ATTRIBUTES/VARIABLE_VALUE": o for o in objects if isinstance(o, tf.Variable)}
+    return compat.checkpoint_objects(ckpt)
 
 
 def mismatch(ckpt: tf.train.Checkpoint, path: str, show: int = 3, weights_only: bool = False) -> str | None:
@@ -299,59 +294,6 @@ def mismatch(ckpt: tf.train.Checkpoint, path: str, show: int = 3, weights_only: 
     if shapes:
         parts.append(f"{len(shapes)} shape(s) differ ({listed(shapes)})")
     return "; ".join(parts) or None
-
-
-def _step_seed(step: tf.Variable, layer_seed: int) -> tf.Tensor:
-    """The stateless seed of one dropout layer at the current step: [layer_seed, step]."""
-    return tf.stack([tf.constant(layer_seed, tf.int64), tf.cast(step, tf.int64)])
-
-
-def _dropout(seed_fn, inputs: tf.Tensor, rate, noise_shape=None) -> tf.Tensor:
-    """tf.nn.experimental.stateless_dropout, with its mask drawn in `sharding.random_layout`.
-
-    On a mesh (inside `sharding.activation_sharding`) the uniform draw is relaid out to
-    the one layout all draws share, which keeps DTensor's per-device seeds right (see
-    `random_layout`); elsewhere it is TF's own stateless dropout.
-    """
-    from tfpod import sharding
-
-    active = sharding.active_context()
-    shape = inputs.shape if noise_shape is None else tf.TensorShape(
-        [d if d is not None else inputs.shape[i] for i, d in enumerate(noise_shape)])
-    if active is None or not shape.is_fully_defined():
-        return tf.nn.experimental.stateless_dropout(inputs, rate, seed=seed_fn(), noise_shape=noise_shape)
-    uniform = tf.random.stateless_uniform(shape, seed=seed_fn(), dtype=inputs.dtype)
-    uniform = dtensor.relayout(uniform, sharding.random_layout(shape.as_list(), active[0]))
-    keep = tf.cast(uniform >= rate, inputs.dtype)
-    return inputs * tf.cast(1.0 / (1.0 - rate), inputs.dtype) * keep
-
-
-def replayable_dropout(model: tf.Module, step: tf.Variable, seed: int) -> int:
-    """Makes every dropout layer of `model` draw its masks from (seed, layer, step).
-
-    Keras dropout under `enable_tf_random_generator` draws from a random state that is
-    not in the checkpoint, so a resumed run would drop different units than the run it
-    continues. Stateless masks seeded by the step counter (which is checkpointed) make
-    the resumed steps the same as the uninterrupted ones, and make a recomputed block
-    draw the same masks as its forward pass. On a mesh the masks are drawn in
-    `sharding.random_layout` (see `_dropout`), which keeps replicated weights' replicas equal.
-
-    Returns:
-      How many layers now draw replayable masks.
-    """
-    from tf_keras.src import backend
-
-    n = 0
-    for i, layer in enumerate(model._flatten_layers(include_self=False)):
-        gen = getattr(layer, "_random_generator", None)
-        if not isinstance(gen, backend.RandomGenerator):
-            continue
-        gen._rng_type, gen._generator, gen._built = gen.RNG_STATELESS, None, True
-        layer_seed = zlib.crc32(f"{seed}/{i}".encode()) & 0x7FFFFFFF  # not the name: unique per process
-        gen.make_seed_for_stateless_op = functools.partial(_step_seed, step, layer_seed)
-        gen.dropout = functools.partial(_dropout, gen.make_seed_for_stateless_op)
-        n += 1
-    return n
 
 
 def any_host(mesh: dtensor.Mesh, flag: bool) -> bool:

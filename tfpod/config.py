@@ -40,14 +40,14 @@ def _register() -> dict:
     """Registers the library's config classes with gin (once per process)."""
     if _CONFIGURABLES:
         return _CONFIGURABLES
-    from tfpod import optimizers, sharding, trainer
+    from tfpod import controller, optimizers, partitioning
     from tfpod.models import TASKS
 
-    classes = {"experiment": ExperimentConfig, "train": trainer.TrainConfig, "optimizer": optimizers.OptimizerConfig,
-               "sharding": sharding.ShardingConfig}
+    classes = {"experiment": ExperimentConfig, "train": controller.TrainConfig, "optimizer": optimizers.OptimizerConfig,
+               "sharding": partitioning.ShardingConfig}
     for name, task in TASKS.items():
-        classes[name] = task.Config
-        classes.setdefault(task.DATA, task.DataConfig)  # tasks may share one data config (gpt, moe: lm_data)
+        classes[name] = task.config_class
+        classes.setdefault(task.data_name, task.data_config_class)  # tasks may share one (gpt, moe: lm_data)
     for name, cls in classes.items():
         _CLASSES[name] = cls
         _CONFIGURABLES[name] = gin.external_configurable(cls, name=name)
@@ -215,7 +215,7 @@ def build_task_configs():
     from tfpod.models import get_task
 
     task = get_task(build_config("experiment").model)
-    return task, build_config(task.NAME), build_config(task.DATA)
+    return task, build_config(task.name), build_config(task.data_name)
 
 
 def operative_config() -> str:

@@ -143,6 +143,28 @@ def make_eval_step(model, metric: Metric, model_inputs: Callable[[Mapping], obje
     return eval_step
 
 
+def run_padded(step: Callable[[dict], object], host_batches: Sequence[Mapping[str, np.ndarray]], host_rows: int,
+               to_device: Callable[[dict], dict], mesh: dtensor.Mesh, padding: Mapping[str, np.ndarray] | None = None
+               ) -> list:
+    """`step(to_device(batch))` over this host's batches, every host the same number of calls.
+
+    Each batch is padded to host_rows rows with zeros (weight 0); a host with fewer
+    batches than another runs padding batches (`padding`, default zeros like its first
+    batch), since the step's collectives need every host. The hosts agree on the count
+    with a collective first.
+
+    Returns:
+      The outputs of every call, this host's real batches first (as many as it has).
+    """
+    batches = [pad_rows(b, host_rows) for b in host_batches]
+    steps = agree_max(len(batches), mesh)
+    if steps and padding is None:
+        if not batches:
+            raise ValueError("this host has no batches to pad from: pass `padding`")
+        padding = {k: np.zeros_like(v) for k, v in batches[0].items()}
+    return [step(to_device(batches[i] if i < len(batches) else padding)) for i in range(steps)]
+
+
 def evaluate(eval_step, host_batches: Iterable[Mapping[str, np.ndarray]], host_rows: int, to_device,
              mesh: dtensor.Mesh, metric: Metric) -> dict:
     """Runs the eval set once; returns the metric's results and the true num_examples.
@@ -155,17 +177,15 @@ def evaluate(eval_step, host_batches: Iterable[Mapping[str, np.ndarray]], host_r
       mesh: the mesh (hosts agree on the step count over it).
       metric: the metric.
     """
-    batches = [pad_rows(b, host_rows) for b in host_batches]
-    steps = agree_max(len(batches), mesh)
-    if not batches:
+    host_batches = list(host_batches)
+    if not host_batches:
         raise ValueError("this host has no eval data")
-    padding = {k: np.zeros_like(v) for k, v in batches[0].items()}
+    outputs = run_padded(eval_step, host_batches, host_rows, to_device, mesh)
     totals = None
-    for i in range(steps):
-        sums = eval_step(to_device(batches[i] if i < len(batches) else padding))
+    for sums in outputs:  # sums over the whole mesh: a padding call on this host adds the others' real rows
         totals = sums if totals is None else {k: totals[k] + sums[k] for k in sums}
     host = {k: float(dtensor.unpack(v)[0].numpy()) if dtensor.is_dtensor(v) else float(v) for k, v in totals.items()}
     result = {k: float(v) for k, v in metric.result(host).items()}
     result["num_examples"] = int(round(host["example_count"]))
-    result["eval_steps"] = steps
+    result["eval_steps"] = len(outputs)
     return result

@@ -32,14 +32,13 @@ import tempfile
 import tensorflow as tf
 
 from tfpod import UserError
+from tfpod.checkpoint import complete_steps, mismatch
 
 log = logging.getLogger("tfpod")
 
 
 def checkpoint_path(model_dir: str, checkpoint: str | None = None) -> str:
     """The checkpoint to export: the given prefix, or the newest complete one in model_dir."""
-    from tfpod.checkpoint import complete_steps
-
     if checkpoint:
         if not tf.io.gfile.exists(checkpoint + ".index"):
             raise UserError(f"--checkpoint={checkpoint}: no such checkpoint (expected {checkpoint}.index)")
@@ -57,8 +56,6 @@ def single_device_model(task, model_config, path: str):
     model = task.build(model_config)
     example = {k: tf.zeros([1] + list(s.shape[1:]), s.dtype) for k, s in task.input_signature(model_config).items()}
     model(task.model_inputs(example), training=False)  # creates the variables
-    from tfpod.checkpoint import mismatch
-
     ckpt = tf.train.Checkpoint(model=model)
     problem = mismatch(ckpt, path, weights_only=True)
     if problem:
@@ -121,22 +118,20 @@ def export(task, model_config, data_config, model_dir: str, checkpoint: str | No
     """Exports a checkpoint of model_dir as a SavedModel for TF Serving.
 
     Args:
-      task: the task module (tfpod.models.get_task).
+      task: the task (tfpod.task.Task).
       model_config, data_config: the configs the run was trained with (the data config
         gives the tokenizer).
       model_dir: the run's folder.
       checkpoint: a checkpoint prefix; None: the newest complete one.
-      model_name: the name TF Serving serves it under (default: the task's NAME).
+      model_name: the name TF Serving serves it under (default: the task's name).
 
     Returns:
       {"export_dir", "version", "step", "signatures": {name: {"inputs", "outputs"}}}.
     """
-    if not hasattr(task, "serving"):
-        raise UserError(f"experiment.model={task.NAME!r} has no serving signatures to export")
     path = checkpoint_path(model_dir, checkpoint)
     model = single_device_model(task, model_config, path)
     module, signatures = task.serving(model, model_config, data_config)
-    base = os.path.join(model_dir, "export", model_name or task.NAME)
+    base = os.path.join(model_dir, "export", model_name or task.name)
     final = write(module, signatures, base)
     described = {
         name: {"inputs": {k: f"{s.dtype.name}{s.shape}" for k, s in _input_specs(fn).items()},

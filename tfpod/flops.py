@@ -58,7 +58,7 @@ PEAK_SHAPES = ((2048, 2048, 2048), (4096, 4096, 4096), (8192, 8192, 8192), (4096
 
 
 def peak_matmul_flops(dtype: str = "float32", shapes=PEAK_SHAPES, repeats: int = 5) -> float:
-    """This machine's large-matmul peak FLOP/s: the best over `shapes` (about 20 s on 2 CPU cores).
+    """This machine's large-matmul peak FLOP/s: the best over `shapes`.
 
     Each shape runs enough matmuls per call for about 2e11 FLOPs, so the call itself is
     not measured.

@@ -10,11 +10,9 @@ written the same way.
 XLA, opt-in: `TFPOD_XLA_FUSION=1` in the environment marks each elementwise chain with
 `tf.xla.experimental.jit_scope`, and those clusters survive DTensor's SPMD expansion (a
 nested `tf.function(jit_compile=True)` is inlined by it; compiling the whole DTensor
-step ran XLA's CPU dot at a fifth of oneDNN's bf16 speed). On an AMX CPU this made the
-bf16 GELU 8x faster and the gpt_small bf16 step 1.45x faster, but long test processes
-that built many meshes and programs crashed (segfaults in the DTensor runtime, two of
-210 tests per suite run, different tests each time; none with the marks off), so it is
-off unless asked for.
+step ran XLA's CPU dot slower than oneDNN). It is off unless asked for: long test
+processes that built many meshes and programs crashed with the marks on (segfaults in
+the DTensor runtime). Measurements: docs/benchmarks.md.
 
 Everything here computes the same function as the plain TensorFlow form (tests compare
 values and gradients, with the marks on and off).
@@ -27,6 +25,8 @@ import os
 
 import tensorflow as tf
 import tf_keras
+
+from tfpod import compat
 
 _SQRT_HALF = 0.7071067811865476
 _INV_SQRT_2PI = 0.3989422804014327
@@ -83,8 +83,7 @@ def attention(q: tf.Tensor, k: tf.Tensor, v: tf.Tensor, bias: tf.Tensor, causal:
       causal: the mask never lets a query attend a later key (it may mask more, e.g.
         other segments). The first half of the queries then skips the second half of
         the keys, a quarter of the scores that are all masked: 3/4 of the score
-        matmuls and softmax passes (gpt_small, 1024 tokens: one layer's attention
-        forward and backward 0.31 s -> 0.25 s on 2 CPU cores). A query of the first half
+        matmuls and softmax passes. A query of the first half
         that may attend no key at all (padding) then averages the first half's values,
         not all of them; such rows carry no loss weight and no later query reads them.
 
@@ -192,15 +191,15 @@ class BatchNormalization(tf_keras.layers.BatchNormalization):
     """
 
     def call(self, inputs, training=None, mask=None):
-        training = self._get_training_value(training)
+        training = compat.training_value(self, training)
         plain = (training is not True or mask is not None or self.renorm or self.virtual_batch_size is not None
                  or self.adjustment is not None or self.gamma is None or self.beta is None
                  or list(self.axis) != [len(inputs.shape) - 1])
         if plain:
             return super().call(inputs, training=training, mask=mask)
         y, mean, variance = batch_norm(tf.cast(inputs, self.compute_dtype), self.gamma, self.beta, self.epsilon)
-        self.add_update(lambda: self._assign_moving_average(self.moving_mean, mean, self.momentum, None))
-        self.add_update(lambda: self._assign_moving_average(self.moving_variance, variance, self.momentum, None))
+        self.add_update(lambda: compat.assign_moving_average(self, self.moving_mean, mean, self.momentum))
+        self.add_update(lambda: compat.assign_moving_average(self, self.moving_variance, variance, self.momentum))
         return y
 
 
@@ -209,7 +208,7 @@ def use_batch_norm(model: tf_keras.layers.Layer) -> None:
     subclasses such as SyncBatchNormalization) a `BatchNormalization` (FusedBatchNormV3
     has no DTensor layout propagation). Weights, names and checkpoints are unchanged;
     call it before the train step is traced."""
-    for layer in model._flatten_layers():
+    for layer in compat.flatten_layers(model):
         if type(layer) is tf_keras.layers.BatchNormalization:
             layer.fused = False
             layer.__class__ = BatchNormalization

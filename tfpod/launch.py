@@ -39,7 +39,9 @@ def free_ports(n: int) -> list[int]:
 
 
 def host_env(host_id: int, num_hosts: int, ports: list[int], devices_per_host: int) -> dict:
-    env = dict(os.environ)
+    from tfpod import console
+
+    env = console.child_env()  # each host's main.py picks its own TensorFlow log level
     env.update({
         "DTENSOR_CLIENT_ID": str(host_id),
         "DTENSOR_NUM_CLIENTS": str(num_hosts),

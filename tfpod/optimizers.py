@@ -25,7 +25,7 @@ import tf_keras
 from tensorflow.experimental import dtensor
 from official.modeling.optimization import lamb, lars, legacy_adamw, lr_schedule
 
-from tfpod import UserError, fused, sharding
+from tfpod import UserError, compat, fused, partitioning
 
 OPTIMIZERS = ("adamw", "lamb", "lars", "sgd")
 DECAYS = ("cosine", "linear", "polynomial", "rsqrt", "constant")
@@ -118,18 +118,16 @@ class FusedAdamWeightDecay(legacy_adamw.AdamWeightDecay):
     sqrt(1 - beta2^t) / (1 - beta1^t); m += (g - m) * (1 - beta1); v += (g^2 - v) *
     (1 - beta2); w -= m * alpha / (sqrt(v) + epsilon)), written as TensorFlow ops in
     one `fused.scope`. DTensor decomposes the ResourceApplyAdam kernel into about fifteen
-    separate elementwise passes anyway (gpt_small: 0.6-1 s of a 13 s fp32 step); with XLA
+    separate elementwise passes anyway; with XLA
     marks the update reads and writes each weight, slot and gradient once.
     """
 
     def _resource_apply_dense(self, grad, var, apply_state=None):
-        lr, _ = self._get_lr(var.device, var.dtype.base_dtype, apply_state)
-        c = (apply_state or {}).get((var.device, var.dtype.base_dtype)) or self._fallback_apply_state(
-            var.device, var.dtype.base_dtype)
+        lr, c = compat.adam_coefficients(self, var, apply_state)
         m, v = self.get_slot(var, "m"), self.get_slot(var, "v")
         with fused.scope():
             w = var.read_value()
-            if self._do_use_weight_decay(var.name):
+            if compat.uses_weight_decay(self, var.name):
                 w = w - lr * w * c["weight_decay_rate"]
             alpha = lr * tf.sqrt(1.0 - c["beta_2_power"]) / (1.0 - c["beta_1_power"])
             m_new = m + (grad - m) * (1.0 - c["beta_1_t"])
@@ -241,22 +239,16 @@ def create_state(
     """
     slot_layout = slot_layout or (lambda v: dtensor.fetch_layout(v))
     with dvariable_scope(lambda shape: dtensor.Layout.replicated(mesh, shape.rank)):
-        optimizer._create_all_weights([])  # iterations and hyperparameters
+        compat.create_optimizer_weights(optimizer)  # iterations and hyperparameters
     for v in variables:
         layout = slot_layout(v)
         with dvariable_scope(lambda shape, layout=layout: layout), tf.init_scope():
-            optimizer._create_slots([v])
+            compat.create_slots(optimizer, v)
 
 
 def slot_variables(optimizer) -> list[tf.Variable]:
     """All slot variables of a legacy optimizer, in creation order."""
-    return [s for slots in optimizer._slots.values() for s in slots.values()]
-
-
-def _var_key(v):
-    from tf_keras.src.optimizers.legacy import optimizer_v2
-
-    return optimizer_v2._var_key(v)
+    return [s for slots in compat.slot_table(optimizer).values() for s in slots.values()]
 
 
 class Update:
@@ -276,7 +268,7 @@ class Update:
         self.shadow_layouts = []
         self.layouts = [dtensor.fetch_layout(v) for v in self.variables]  # fetch_layout is eager-only
         for v, layout in zip(self.variables, self.layouts):
-            target = sharding.update_layout(layout, v.shape, axis)
+            target = partitioning.update_layout(layout, v.shape, axis)
             if target == layout:
                 self.shadows.append(None)
                 self.shadow_layouts.append(None)
@@ -288,9 +280,10 @@ class Update:
             self.shadow_layouts.append(target)
         targets = [s if s is not None else v for v, s in zip(self.variables, self.shadows)]
         create_state(optimizer, targets, mesh)
+        slots = compat.slot_table(optimizer)
         for v, s in zip(self.variables, self.shadows):
             if s is not None:  # checkpoints (and get_slot) find the slots under the weight
-                optimizer._slots[_var_key(v)] = optimizer._slots.setdefault(_var_key(s), {})
+                slots[compat.var_key(v)] = slots.setdefault(compat.var_key(s), {})
 
     @property
     def sharded(self) -> bool:
@@ -320,18 +313,16 @@ class Update:
         specs, layouts = [], {}
         for v, s in zip(self.variables, self.shadows):
             name = v.name[:-2] if v.name.endswith(":0") else v.name
-            key = _var_key(v)
-            entries = list(self.optimizer._slots.get(key, {}).items())
+            entries = list(compat.slot_table(self.optimizer).get(compat.var_key(v), {}).items())
             if s is not None:
                 entries.append(("update_shard", s))
             for slot_name, slot in entries:
                 full = f"{name}/{slot_name}"
-                specs.append(sharding.VarSpec(full, tuple(slot.shape.as_list()), slot.dtype))
+                specs.append(partitioning.VarSpec(full, tuple(slot.shape.as_list()), slot.dtype))
                 layouts[full] = dtensor.fetch_layout(slot)
         return specs, layouts
 
 
 def _value(v) -> tf.Tensor:
     """The value of a (possibly AutoCast) DVariable as a tensor in its own dtype."""
-    inner = getattr(v, "_variable", v) if type(v).__name__ == "AutoCastVariable" else v
-    return inner.read_value()
+    return compat.inner_variable(v).read_value()

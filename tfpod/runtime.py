@@ -84,8 +84,7 @@ def _share_cores(cpu_devices: int) -> None:
 
     The N devices run their programs at the same time on the host's cores; with each op
     also spread over every core (TensorFlow's default), N x cores threads contend for the
-    cores. One thread per op for 8 devices on 2 cores ran the gpt_small data-parallel step
-    6% faster (bench/scaling.py). $TF_NUM_INTRAOP_THREADS, when set, wins.
+    cores (bench/scaling.py measures the effect). $TF_NUM_INTRAOP_THREADS, when set, wins.
     """
     if os.environ.get("TF_NUM_INTRAOP_THREADS") or tf.config.threading.get_intra_op_parallelism_threads():
         return
@@ -143,8 +142,7 @@ def initialize(cpu_devices: int | None = None, device_type: str | None = None) -
             )
         return _INFO
     if graph_optimizations == "0":
-        # Grappler off: functions compile about a third faster and run slower; the same
-        # results. The test suite runs so (conftest.py) apart from its production smoke run.
+        # Grappler off: functions compile faster and run slower; the same results. The test suite runs so (conftest.py) apart from its production smoke run.
         tf.config.optimizer.set_experimental_options({"disable_meta_optimizer": True})
     if device_type == "CPU":
         physical = tf.config.list_physical_devices("CPU")

@@ -7,12 +7,12 @@ import logging
 import tensorflow as tf
 import tf_keras
 
-from tfpod import UserError, checkpoint as checkpointlib
+from tfpod import UserError, checkpoint as checkpointlib, compat
 
 log = logging.getLogger("tfpod")
 
 class _Resume:
-    """What Model.fit asks `model._training_state` for: the (epoch, step) to start at."""
+    """What Model.fit asks a model's training state for: the (epoch, step) to start at."""
 
     def __init__(self, step: int):
         self.step = step
@@ -81,9 +81,9 @@ class Checkpoint(tf_keras.callbacks.Callback):
             )
         self.restored_step = self.manager.restore_latest() if self.restore else None
         self._saved_step = self.restored_step if self.restored_step is not None else -1
-        self._previous_state = model._training_state
+        self._previous_state = compat.training_state(model)
         if self.restored_step:
-            model._training_state = _Resume(self.restored_step)
+            compat.set_training_state(model, _Resume(self.restored_step))
 
     def _save(self):
         step = self._step()
@@ -103,13 +103,11 @@ class Checkpoint(tf_keras.callbacks.Callback):
 
     def on_train_end(self, logs=None):
         self._save()
-        self.model._training_state = self._previous_state
+        compat.set_training_state(self.model, self._previous_state)
 
 
 def _build_optimizer_state(optimizer, model) -> None:
     """Creates the optimizer's slots now, so a checkpoint restores into them (not lazily later)."""
-    from tf_keras.src.optimizers import optimizer as new_optimizer
-
-    if isinstance(optimizer, new_optimizer.Optimizer) and not getattr(optimizer, "_built", False):
+    if isinstance(optimizer, tf_keras.optimizers.Optimizer) and not compat.optimizer_built(optimizer):
         with tf.init_scope():
             optimizer.build(model.trainable_variables)

@@ -13,7 +13,7 @@ import tensorflow as tf
 import tf_keras
 from tensorflow.experimental import dtensor
 
-from tfpod import UserError
+from tfpod import UserError, compat
 from tfpod.keras import layers, support
 from tfpod.keras.layout_map import KerasSharding, is_dvariable as _is_dvariable
 
@@ -27,7 +27,7 @@ def prepare_compile(model, layout_map: KerasSharding, optimizer, steps_per_execu
             f"model {model.name!r} has no variables yet: build it before compile (call it on a batch, "
             "or model.build(input_shape)); its variables are placed on the mesh when it is built"
         )
-    off_mesh = [w.name for w in model.weights if not _is_dvariable(getattr(w, "_variable", w))]
+    off_mesh = [w.name for w in model.weights if not _is_dvariable(compat.inner_variable(w))]
     if off_mesh:
         raise UserError(
             f"weight {off_mesh[0]} of model {model.name!r} is not on the mesh (a mixed-precision variable, "
@@ -52,23 +52,18 @@ def mesh_metrics(metrics, mesh: dtensor.Mesh):
     config with the mesh set before its variables are made (how tf_keras's own
     `mesh=` argument of metrics works).
     """
-    from tf_keras.src.metrics import base_metric
-
     def place(m):
-        if not isinstance(m, base_metric.Metric):
+        if not isinstance(m, tf_keras.metrics.Metric):
             return m
         if m.variables and all(_is_dvariable(v) for v in m.variables):
             return m
-        new = type(m).__new__(type(m))
-        object.__setattr__(new, "_mesh", mesh)
         try:
-            new.__init__(**m.get_config())
+            return compat.new_on_mesh(type(m), m.get_config(), mesh)
         except (TypeError, ValueError, NotImplementedError) as e:
             raise UserError(
                 f"metric {m.name!r} ({type(m).__name__}) cannot be re-created on the mesh from its config ({e}): "
                 f"pass it by name, or create it with mesh=<the model's mesh>"
             ) from None
-        return new
 
     if isinstance(metrics, dict):
         return {k: mesh_metrics(v, mesh) for k, v in metrics.items()}
@@ -103,14 +98,11 @@ def densify(grads_and_vars) -> list:
 
 
 def _on_mesh(optimizer, model, mesh: dtensor.Mesh):
-    from tf_keras.src.optimizers import optimizer as new_optimizer
-    from tf_keras.src.optimizers.legacy import optimizer_v2
-
     if isinstance(optimizer, (str, dict)):
         optimizer = tf_keras.optimizers.get(optimizer)
-    if isinstance(optimizer, new_optimizer.Optimizer):
-        if getattr(optimizer, "_mesh", None) is not None:
-            if optimizer._mesh != mesh:
+    if isinstance(optimizer, tf_keras.optimizers.Optimizer):
+        if compat.optimizer_mesh(optimizer) is not None:
+            if compat.optimizer_mesh(optimizer) != mesh:
                 raise UserError(
                     f"optimizer {optimizer.name!r} was made for another mesh than the model's: make it with "
                     "the model's mesh, or pass it by name"
@@ -124,10 +116,10 @@ def _on_mesh(optimizer, model, mesh: dtensor.Mesh):
         config = optimizer.get_config()
         config.pop("is_legacy_optimizer", None)
         return _from_config(optimizer, config, mesh)
-    if isinstance(optimizer, optimizer_v2.OptimizerV2):
+    if isinstance(optimizer, compat.legacy_optimizer_class()):
         from tfpod import optimizers as tfpod_optimizers
 
-        if optimizer._slots or optimizer._hypers_created:
+        if compat.legacy_has_state(optimizer):
             inner = [v for v in optimizer.variables()]
             if inner and not all(_is_dvariable(v) for v in inner):
                 raise UserError(
@@ -142,10 +134,8 @@ def _on_mesh(optimizer, model, mesh: dtensor.Mesh):
 
 
 def _from_config(optimizer, config: dict, mesh: dtensor.Mesh):
-    from tf_keras.src.optimizers.schedules import learning_rate_schedule
-
     if isinstance(config.get("learning_rate"), dict):
-        config["learning_rate"] = learning_rate_schedule.deserialize(config["learning_rate"])
+        config["learning_rate"] = tf_keras.optimizers.schedules.deserialize(config["learning_rate"])
     try:
         return type(optimizer)(**config, mesh=mesh)
     except TypeError as e:

@@ -1,7 +1,18 @@
 """The tf_keras hooks: a few tf_keras methods wrapped once, on import of tfpod.keras.
 
-Each wrapper acts only on models built under a `KerasSharding` (`tfpod.sharding`)
-and calls tf_keras's own method for every other model.
+Each wrapper acts only on models built under a `KerasSharding` (`tfpod.sharding`) and
+calls tf_keras's own method for every other model:
+
+  variable creation   each lazy variable is validated against the rules as it is placed
+                      (`KerasSharding.place`), and every layer keeps its weights in
+                      creation order
+  Model.compile       checks and conversions (tfpod.keras.compile)
+  Model.__call__      an unbuilt subclassed model: built lazily with the batch's shapes,
+                      placed, then called on the mesh; Model.build calls it on zeros
+  Model.get_weights / set_weights   gathered to / scattered from host arrays
+  Model.evaluate / predict          one step per host call
+  Model.fit / evaluate / predict    DTensor's "no layout propagation" as one line
+  Optimizer.apply_gradients         dense gradients for an optimizer on the mesh
 """
 
 from __future__ import annotations
@@ -12,84 +23,33 @@ import weakref
 
 import numpy as np
 import tensorflow as tf
+import tf_keras
 from tensorflow.experimental import dtensor
 
-from tfpod import UserError
+from tfpod import UserError, compat
 from tfpod.keras import compile as compile_lib, support
-from tfpod.keras.layout_map import KerasSharding, get_values, layout_map_lib, set_values
+from tfpod.keras.layout_map import KerasSharding, get_values, set_values
 
 _ONE_STEP = weakref.WeakKeyDictionary()  # model -> {"predict_function"/"test_function": one-step function}
+_INSTALLED = []
+
+
+def _sharding_of(model) -> KerasSharding | None:
+    layout_map = compat.layout_map_of(model)
+    return layout_map if isinstance(layout_map, KerasSharding) else None
 
 
 def install() -> None:
-    """Wraps tf_keras's DVariable creation and a few Model methods, once.
-
-    Every wrapper acts only for a KerasSharding (a model built under
-    `tfpod.sharding`) and calls the original otherwise. tf_keras asks a LayoutMap
-    only for a layout by path; placing needs the variable's shape to validate first,
-    hence the wrapper around `_create_dvariable`.
-    """
-    lib = layout_map_lib()
-    if getattr(lib._create_dvariable, "_tfpod", False):
+    """Wraps tf_keras's variable placement and the Model and Optimizer methods above, once."""
+    if _INSTALLED:
         return
-    create = lib._create_dvariable
-
-    @functools.wraps(create)
-    def _create_dvariable(layout_map, object_path, variable):
-        if isinstance(layout_map, KerasSharding) and object_path:  # "": a random generator's state
-            layout_map.place(object_path, variable)
-        return create(layout_map, object_path, variable)
-
-    _create_dvariable._tfpod = True
-    lib._create_dvariable = _create_dvariable
-    for name in ("_map_subclass_model_variable", "_map_functional_model_variable"):
-        setattr(lib, name, _keeping_weight_order(getattr(lib, name)))
-
-    from tf_keras.src.engine import training
-
-    compile_fn = training.Model.compile
-    signature = inspect.signature(compile_fn)
-
-    @functools.wraps(compile_fn)
-    def compile(self, *args, **kwargs):
-        layout_map = getattr(self, "_layout_map", None)
-        if not isinstance(layout_map, KerasSharding):
-            return compile_fn(self, *args, **kwargs)
-        from tf_keras.src.dtensor import lazy_variable
-
-        bound = signature.bind(self, *args, **kwargs)
-        _ONE_STEP.pop(self, None)
-        # Inside `with tfpod.sharding(...)` new variables are lazy until a model maps
-        # them; the optimizer's and the loss metric's must be created for real.
-        with lazy_variable.disable_init_variable_creator():
-            bound.arguments["optimizer"] = compile_lib.prepare_compile(
-                self, layout_map, bound.arguments.get("optimizer", "rmsprop"),
-                bound.arguments.get("steps_per_execution"),
-            )
-            for key in ("metrics", "weighted_metrics"):
-                if bound.arguments.get(key) is not None:
-                    bound.arguments[key] = compile_lib.mesh_metrics(bound.arguments[key], layout_map.mesh)
-            return compile_fn(*bound.args, **bound.kwargs)
-
-    compile._tfpod = True
-    training.Model.compile = compile
-
-    get_weights_fn, set_weights_fn = training.Model.get_weights, training.Model.set_weights
-
-    @functools.wraps(get_weights_fn)
-    def get_weights(self):
-        if isinstance(getattr(self, "_layout_map", None), KerasSharding):
-            return get_values(self.weights)
-        return get_weights_fn(self)
-
-    @functools.wraps(set_weights_fn)
-    def set_weights(self, weights):
-        if isinstance(getattr(self, "_layout_map", None), KerasSharding):
-            return set_values(self.weights, weights)
-        return set_weights_fn(self, weights)
-
-    training.Model.get_weights, training.Model.set_weights = get_weights, set_weights
-
+    _INSTALLED.append(True)
+    compat.wrap_create_dvariable(_placing)
+    compat.wrap_variable_mapping(_keeping_weight_order)
+    model = tf_keras.Model
+    model.compile = _compiling(model.compile)
+    model.get_weights = _on_sharded(model.get_weights, lambda self: get_values(self.weights))
+    model.set_weights = _on_sharded(model.set_weights, lambda self, weights: set_values(self.weights, weights))
     # evaluate and predict run one step per host call on a sharded model, each with
     # its own cached one-step function:
     # - Keras's multi-step predict loop concatenates each step's outputs inside a while
@@ -99,63 +59,27 @@ def install() -> None:
     #   DTensor now and then failed to compile the second ("Cannot add function
     #   'while_cond' because a different function with the same name already exists",
     #   about 1 run in 12 here), so only training runs steps_per_execution steps per call.
-    for method, attr in (("predict", "predict_function"), ("evaluate", "test_function")):
-        setattr(training.Model, method, _one_step(getattr(training.Model, method), attr))
-    for method in ("fit", "evaluate", "predict"):  # DTensor's "no layout propagation" as one line
-        setattr(training.Model, method, _translating(getattr(training.Model, method)))
-
-    call_fn, build_fn = training.Model.__call__, training.Model.build
-
-    @functools.wraps(call_fn)
-    def __call__(self, *args, **kwargs):
-        layout_map = getattr(self, "_layout_map", None)
-        if not self.built and isinstance(layout_map, KerasSharding):
-            # tf_keras places a subclassed model's variables at its first call, then
-            # runs the call with the user's inputs on the new DVariables: host tensors
-            # must become (replicated) DTensors for that.
-            args, kwargs = tf.nest.map_structure(lambda x: _on_mesh(x, layout_map.mesh, self.name), (args, kwargs))
-            if args:
-                support.record_input_spec(self, args[0])  # for compile's trace (tfpod.keras.support)
-            if not _is_functional(self):
-                _build_lazily(self, layout_map, args, kwargs)
-            with dtensor.default_mesh(layout_map.mesh):  # tensors the call makes (an RNN's zero state) on the mesh
-                return call_fn(self, *args, **kwargs)
-        return call_fn(self, *args, **kwargs)
-
-    @functools.wraps(build_fn)
-    def build(self, input_shape):
-        layout_map = getattr(self, "_layout_map", None)
-        if self.built or not isinstance(layout_map, KerasSharding) or _is_functional(self):
-            return build_fn(self, input_shape)
-        # Model.build traces `call` without `__call__`, where tf_keras places the
-        # variables on the mesh: call it on a batch of zeros instead.
-        def zeros(shape):
-            dims = tf.TensorShape(shape).as_list()
-            if any(d is None for d in dims[1:]):
-                raise UserError(
-                    f"model {self.name!r}: build(input_shape={input_shape}) needs every dimension but the batch; "
-                    "give them, or call the model on a batch instead"
-                )
-            return tf.zeros([1] + dims[1:], self.compute_dtype if dims else None)
-
-        is_shape = lambda s: isinstance(s, tf.TensorShape) or (
-            isinstance(s, (tuple, list)) and all(d is None or isinstance(d, int) for d in s))
-        if is_shape(input_shape):
-            inputs = zeros(input_shape)
-        elif isinstance(input_shape, dict):
-            inputs = {k: zeros(v) for k, v in input_shape.items()}
-        else:
-            inputs = [zeros(v) for v in input_shape]
-        self(inputs)
-
-    training.Model.__call__, training.Model.build = __call__, build
-
-    # Optimizers on the mesh take dense gradients (see compile_lib.mesh_optimizer).
-    from tf_keras.src.optimizers import optimizer as new_optimizer
-    from tf_keras.src.optimizers.legacy import optimizer_v2
-
-    for cls in (new_optimizer.Optimizer, optimizer_v2.OptimizerV2):
+    model.predict = _one_step(model.predict, "predict_function")
+    model.evaluate = _one_step(model.evaluate, "test_function")
+    for method in ("fit", "evaluate", "predict"):
+        setattr(model, method, _translating(getattr(model, method)))
+    model.__call__ = _first_call(model.__call__)
+    model.build = _building(model.build)
+    for cls in (tf_keras.optimizers.Optimizer, compat.legacy_optimizer_class()):
         cls.apply_gradients = _dense_gradients(cls.apply_gradients)
+
+
+def _placing(create):
+    """tf_keras's lazy -> DVariable function, validating each variable against the rules first
+    (tf_keras asks a LayoutMap only for a layout by path; checking needs the shape)."""
+
+    @functools.wraps(create)
+    def wrapper(layout_map, object_path, variable):
+        if isinstance(layout_map, KerasSharding) and object_path:  # "": a random generator's state
+            layout_map.place(object_path, variable)
+        return create(layout_map, object_path, variable)
+
+    return wrapper
 
 
 def _keeping_weight_order(map_variables):
@@ -172,18 +96,74 @@ def _keeping_weight_order(map_variables):
     def wrapper(model, layout_map):
         if not isinstance(layout_map, KerasSharding):
             return map_variables(model, layout_map)
-        from tf_keras.src.engine import base_layer
-
-        layers = [model] + [o for o in model._flatten(predicate=lambda o: isinstance(o, base_layer.Layer))]
-        before = {(id(layer), attr): (layer, attr, [v.name for v in getattr(layer, attr)])
-                  for layer in layers for attr in ("_trainable_weights", "_non_trainable_weights")}
+        layers = [model] + compat.flatten(model, lambda o: isinstance(o, tf_keras.layers.Layer))
+        before = {(id(layer), i): (layer, i, [v.name for v in weights]) for layer in layers
+                  for i, weights in enumerate(compat.weight_lists(layer))}
         out = map_variables(model, layout_map)
-        for layer, attr, names in before.values():
-            now = getattr(layer, attr)
+        for layer, i, names in before.values():
+            now = compat.weight_lists(layer)[i]
             by_name = {v.name: v for v in now}
             if len(by_name) == len(now) == len(names) and set(names) == set(by_name):
                 now[:] = [by_name[n] for n in names]
         return out
+
+    return wrapper
+
+
+def _compiling(compile_fn):
+    signature = inspect.signature(compile_fn)
+
+    @functools.wraps(compile_fn)
+    def compile(self, *args, **kwargs):
+        layout_map = _sharding_of(self)
+        if layout_map is None:
+            return compile_fn(self, *args, **kwargs)
+        bound = signature.bind(self, *args, **kwargs)
+        _ONE_STEP.pop(self, None)
+        # Inside `with tfpod.sharding(...)` new variables are lazy until a model maps
+        # them; the optimizer's and the loss metric's must be created for real.
+        with compat.lazy_variable().disable_init_variable_creator():
+            bound.arguments["optimizer"] = compile_lib.prepare_compile(
+                self, layout_map, bound.arguments.get("optimizer", "rmsprop"),
+                bound.arguments.get("steps_per_execution"),
+            )
+            for key in ("metrics", "weighted_metrics"):
+                if bound.arguments.get(key) is not None:
+                    bound.arguments[key] = compile_lib.mesh_metrics(bound.arguments[key], layout_map.mesh)
+            return compile_fn(*bound.args, **bound.kwargs)
+
+    return compile
+
+
+def _on_sharded(method, replacement):
+    """`method`, or `replacement` for a model built under a KerasSharding."""
+
+    @functools.wraps(method)
+    def wrapper(self, *args, **kwargs):
+        return (replacement if _sharding_of(self) is not None else method)(self, *args, **kwargs)
+
+    return wrapper
+
+
+def _one_step(method, attr: str):
+    """Wraps Model.predict / evaluate: on a sharded model, one step per call (see install)."""
+
+    @functools.wraps(method)
+    def wrapper(self, *args, **kwargs):
+        spe = compat.steps_per_execution(self)
+        if _sharding_of(self) is None or spe is None or int(spe.numpy()) == 1:
+            return method(self, *args, **kwargs)
+        value, keras_function = int(spe.numpy()), getattr(self, attr)
+        cache = _ONE_STEP.setdefault(self, {})
+        spe.assign(1)
+        setattr(self, attr, cache.get(attr))
+        try:
+            result = method(self, *args, **kwargs)
+            cache[attr] = getattr(self, attr)
+            return result
+        finally:
+            spe.assign(value)
+            setattr(self, attr, keras_function)
 
     return wrapper
 
@@ -194,7 +174,7 @@ def _translating(method):
 
     @functools.wraps(method)
     def wrapper(self, *args, **kwargs):
-        if not isinstance(getattr(self, "_layout_map", None), KerasSharding):
+        if _sharding_of(self) is None:
             return method(self, *args, **kwargs)
         try:
             return method(self, *args, **kwargs)
@@ -219,27 +199,56 @@ def _dense_gradients(apply_gradients):
     return wrapper
 
 
-def _one_step(method, attr: str):
-    """Wraps Model.predict / evaluate: on a sharded model, one step per call (see install)."""
+def _first_call(call_fn):
+    """Model.__call__: an unbuilt subclassed model under a KerasSharding is built lazily with the
+    batch's shapes and placed; then the call runs on the mesh (host inputs replicated DTensors,
+    tensors the call makes, such as an RNN's zero state, on the mesh)."""
 
-    @functools.wraps(method)
-    def wrapper(self, *args, **kwargs):
-        spe = getattr(self, "_steps_per_execution", None)
-        if not isinstance(getattr(self, "_layout_map", None), KerasSharding) or spe is None or int(spe.numpy()) == 1:
-            return method(self, *args, **kwargs)
-        value, keras_function = int(spe.numpy()), getattr(self, attr)
-        cache = _ONE_STEP.setdefault(self, {})
-        spe.assign(1)
-        setattr(self, attr, cache.get(attr))
-        try:
-            result = method(self, *args, **kwargs)
-            cache[attr] = getattr(self, attr)
-            return result
-        finally:
-            spe.assign(value)
-            setattr(self, attr, keras_function)
+    @functools.wraps(call_fn)
+    def __call__(self, *args, **kwargs):
+        layout_map = _sharding_of(self)
+        if self.built or layout_map is None:
+            return call_fn(self, *args, **kwargs)
+        args, kwargs = tf.nest.map_structure(lambda x: _on_mesh(x, layout_map.mesh, self.name), (args, kwargs))
+        if args:
+            support.record_input_spec(self, args[0])  # for compile's trace (tfpod.keras.support)
+        if not compat.is_functional(self):
+            _build_lazily(self, layout_map, args, kwargs)
+        with dtensor.default_mesh(layout_map.mesh):
+            return call_fn(self, *args, **kwargs)
 
-    return wrapper
+    return __call__
+
+
+def _building(build_fn):
+    """Model.build of an unbuilt subclassed model under a KerasSharding: a call on a batch of zeros
+    (tf_keras's build traces `call` without `__call__`, where the variables are placed)."""
+
+    @functools.wraps(build_fn)
+    def build(self, input_shape):
+        if self.built or _sharding_of(self) is None or compat.is_functional(self):
+            return build_fn(self, input_shape)
+
+        def zeros(shape):
+            dims = tf.TensorShape(shape).as_list()
+            if any(d is None for d in dims[1:]):
+                raise UserError(
+                    f"model {self.name!r}: build(input_shape={input_shape}) needs every dimension but the batch; "
+                    "give them, or call the model on a batch instead"
+                )
+            return tf.zeros([1] + dims[1:], self.compute_dtype if dims else None)
+
+        is_shape = lambda s: isinstance(s, tf.TensorShape) or (
+            isinstance(s, (tuple, list)) and all(d is None or isinstance(d, int) for d in s))
+        if is_shape(input_shape):
+            inputs = zeros(input_shape)
+        elif isinstance(input_shape, dict):
+            inputs = {k: zeros(v) for k, v in input_shape.items()}
+        else:
+            inputs = [zeros(v) for v in input_shape]
+        self(inputs)
+
+    return build
 
 
 def _build_lazily(model, layout_map: KerasSharding, args, kwargs) -> None:
@@ -250,24 +259,17 @@ def _build_lazily(model, layout_map: KerasSharding, args, kwargs) -> None:
     dtypes: tf_keras made them Input(x.shape), one dimension too many (a Dense-only
     model did not mind; a GRU or a convolution failed to build).
     """
-    from tf_keras.src.engine import base_layer, input_layer
 
     def symbolic(x):
         if isinstance(x, (tf.Tensor, np.ndarray)):
             x = tf.convert_to_tensor(x)
-            return input_layer.Input(shape=x.shape[1:], dtype=x.dtype)
+            return tf_keras.Input(shape=x.shape[1:], dtype=x.dtype)
         return x
 
-    inputs, rest, rest_kwargs = model._call_spec.split_out_first_arg(list(args), dict(kwargs))
-    with layout_map_lib().layout_map_scope(layout_map):
-        base_layer.Layer.__call__(model, tf.nest.map_structure(symbolic, inputs), *rest, **rest_kwargs)
-    layout_map_lib()._map_subclass_model_variable(model, layout_map)
-
-
-def _is_functional(model) -> bool:
-    from tf_keras.src.engine import functional
-
-    return isinstance(model, functional.Functional)
+    inputs, rest, rest_kwargs = compat.split_first_argument(model, args, kwargs)
+    with compat.layout_map_lib().layout_map_scope(layout_map):
+        tf_keras.layers.Layer.__call__(model, tf.nest.map_structure(symbolic, inputs), *rest, **rest_kwargs)
+    compat.place_model_variables(model, layout_map)
 
 
 def _on_mesh(x, mesh: dtensor.Mesh, name: str):

@@ -24,14 +24,14 @@ from __future__ import annotations
 import tensorflow as tf
 import tf_keras
 
-from tfpod import fused, sharding
+from tfpod import compat, fused, partitioning
 
 
 def _depthwise_call(layer, inputs, kernel, strides, dilations, pointwise=None, one_d=False):
     """The depthwise (then pointwise) convolution of a Keras conv layer, bias and activation."""
     x = inputs
     if layer.padding == "causal":
-        x = tf.pad(x, layer._compute_causal_padding(x))
+        x = tf.pad(x, compat.causal_padding(layer, x))
     first = layer.data_format == "channels_first"
     if one_d:  # [batch, steps, channels] -> [batch, 1, steps, channels], as Keras does
         x = tf.expand_dims(x, 2 if first else 1)
@@ -110,22 +110,18 @@ STAND_INS = {
 def use_mesh_layers(model: tf_keras.layers.Layer) -> list[str]:
     """Swaps, inside `model`, every layer DTensor cannot run for its stand-in (see the module
     docstring); call it before the train step is traced. Returns the swapped layers' names."""
-    from tf_keras.src.layers.normalization import batch_normalization, layer_normalization
-
     swapped = []
     fused.use_batch_norm(model)  # Keras's own BatchNormalization class
-    for layer in model._flatten_layers():
+    for layer in compat.flatten_layers(model):
         stand_in = STAND_INS.get(type(layer))
         if stand_in is not None:
             layer.__class__ = stand_in
             swapped.append(layer.name)
-        elif type(layer) is tf_keras.layers.Embedding and sharding.rows_split(layer.embeddings):
+        elif type(layer) is tf_keras.layers.Embedding and partitioning.rows_split(layer.embeddings):
             layer.__class__ = OneHotEmbedding
             swapped.append(layer.name)
-        elif type(layer).__name__ == "OnDeviceEmbedding" and sharding.rows_split(layer.embeddings):
-            layer._use_one_hot = True  # Model Garden's own one-hot lookup
-        elif isinstance(layer, layer_normalization.LayerNormalization) and getattr(layer, "_fused", False):
-            layer._fused = False
-        elif isinstance(layer, batch_normalization.BatchNormalizationBase) and getattr(layer, "fused", False):
-            layer.fused = False  # subclasses (SyncBatchNormalization): Keras's unfused ops
+        elif type(layer).__name__ == "OnDeviceEmbedding" and partitioning.rows_split(layer.embeddings):
+            compat.set_one_hot(layer, True)  # Model Garden's own one-hot lookup
+        else:
+            compat.unfuse_normalization(layer)  # layer norm; batch norm subclasses (SyncBatchNormalization)
     return swapped

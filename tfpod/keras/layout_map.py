@@ -14,8 +14,8 @@ import tensorflow as tf
 import tf_keras
 from tensorflow.experimental import dtensor
 
-from tfpod import UserError
-from tfpod import sharding as shardinglib
+from tfpod import UserError, compat
+from tfpod import partitioning as shardinglib
 
 log = logging.getLogger("tfpod")
 
@@ -65,13 +65,7 @@ def _parse_rules(rules, mesh: dtensor.Mesh) -> list[shardinglib.AxisRule]:
     return parsed
 
 
-def layout_map_lib():
-    from tf_keras.src.dtensor import layout_map
-
-    return layout_map
-
-
-class KerasSharding(layout_map_lib().LayoutMap):
+class KerasSharding(compat.layout_map_lib().LayoutMap):
     """A tf_keras LayoutMap whose layouts come from tfpod's rules engine.
 
     Use it through `tfpod.sharding(mesh, rules=...)` as a context manager: tf_keras
@@ -161,7 +155,7 @@ class KerasSharding(layout_map_lib().LayoutMap):
             )
         # DTensor initializers need tf.random.Generator-based Keras random ops.
         tf_keras.backend.experimental.enable_tf_random_generator()
-        self._scope = layout_map_lib().layout_map_scope(self)
+        self._scope = compat.layout_map_lib().layout_map_scope(self)
         self._scope.__enter__()
         return self
 
@@ -209,7 +203,7 @@ def sharding(mesh: dtensor.Mesh, rules=None, *, preset: str = "tensor",
 
 def layout_of(variable) -> dtensor.Layout:
     """The DTensor layout of a (sharded) model variable."""
-    return dtensor.fetch_layout(getattr(variable, "_variable", variable))
+    return dtensor.fetch_layout(compat.inner_variable(variable))
 
 
 def get_values(variables) -> list:
@@ -221,7 +215,7 @@ def get_values(variables) -> list:
     """
     out = []
     for v in variables:
-        inner = getattr(v, "_variable", v)
+        inner = compat.inner_variable(v)
         value = inner.read_value() if isinstance(inner, tf.Variable) else tf.convert_to_tensor(inner)
         layout = dtensor.fetch_layout(value)
         if not layout.is_fully_replicated():
@@ -237,7 +231,7 @@ def set_values(variables, values) -> None:
     if len(values) != len(variables):
         raise UserError(f"set_weights: got {len(values)} values for {len(variables)} weights")
     for v, value in zip(variables, values):
-        inner = getattr(v, "_variable", v)
+        inner = compat.inner_variable(v)
         layout = dtensor.fetch_layout(inner)
         value = tf.convert_to_tensor(value, dtype=inner.dtype)
         if value.shape != inner.shape:

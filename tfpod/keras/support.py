@@ -22,7 +22,7 @@ import weakref
 
 import tensorflow as tf
 
-from tfpod import UserError
+from tfpod import UserError, compat
 
 _RNN = ("a loop over a TensorList: Keras's recurrent layers (LSTM, GRU, SimpleRNN, RNN) run one unless "
         "built with unroll=True, and so does a tf.TensorArray or tf.map_fn in a loop; build the recurrent layer "
@@ -110,7 +110,7 @@ def unsupported_ops(graph: tf.Graph) -> list[tuple[str, str]]:
 def _layer_of(model, op_name: str):
     """The outermost layer of `model` (the one its summary lists) whose name scope the op's name
     passes through, or None."""
-    layers = {layer.name: layer for layer in model._flatten_layers(include_self=False)}
+    layers = {layer.name: layer for layer in compat.flatten_layers(model, include_self=False)}
     for part in op_name.split("/"):
         if part in layers:
             return layers[part]

@@ -1,0 +1,63 @@
+"""Shared test setup: 8 logical CPU devices, markers, and the runners tests share.
+
+The pytest process runs on 8 logical CPU devices; tests that need another device count,
+or several hosts, start subprocesses (`main_py`, `launch`). `make_run` builds a
+Controller (and its Trainer) as main.py does, from configs.
+
+Markers: `unit` marks tests that start no subprocess and train on no multi-device mesh
+(`pytest -m unit` runs them in under two minutes); the README's test command runs all.
+"""
+
+import os
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)  # this checkout's tfpod, whatever is installed
+
+os.environ.setdefault("TFPOD_CPU_DEVICES", "8")
+# Grappler's graph rewrites off (runtime.initialize): a third less compile time, which is
+# most of a test's time; the same results. Subprocesses inherit it; the default-job smoke
+# test (test_main.py) and the benchmarks run with them on, as users do.
+os.environ.setdefault("TFPOD_GRAPH_OPTIMIZATIONS", "0")
+
+import tfpod  # noqa: E402,F401  (selects tf_keras before TensorFlow loads)
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "unit: no subprocess and no multi-device training (pytest -m unit)")
+    from tfpod import runtime
+
+    runtime.initialize(cpu_devices=int(os.environ["TFPOD_CPU_DEVICES"]), device_type="CPU")
+
+
+def main_command(*args) -> list[str]:
+    """The command of `python main.py ARGS` (run it with cwd=ROOT; main_py runs it to the end)."""
+    return [sys.executable, "main.py", *args]
+
+
+def main_py(*args, timeout=600, env=None) -> subprocess.CompletedProcess:
+    """`python main.py ARGS` in the checkout, its output captured; its console as a user's
+    (TensorFlow's log level not the one tfpod set in this process)."""
+    from tfpod import console
+
+    return subprocess.run(main_command(*args), cwd=ROOT, capture_output=True, text=True, timeout=timeout,
+                          env=console.child_env(env))
+
+
+def launch_command(num_hosts: int, devices_per_host: int, *main_args) -> list[str]:
+    """The command of `python -m tfpod.launch` running main.py with `main_args` on local hosts."""
+    return [sys.executable, "-m", "tfpod.launch", f"--num_hosts={num_hosts}", f"--devices_per_host={devices_per_host}",
+            "--", *main_command(*main_args)]
+
+
+def make_run(task, model_config, train_config, optimizer_config, mesh, model_dir, preset=None, **sharding):
+    """A Controller (with its Trainer) on `mesh` (a spec or a Mesh) under `preset` (default: the
+    task's), as main.py builds one; `sharding` are further ShardingConfig fields."""
+    from tfpod import api, partitioning
+    from tfpod.mesh import make_mesh
+
+    mesh = make_mesh(mesh) if isinstance(mesh, str) else mesh
+    config = partitioning.ShardingConfig(preset=preset, **sharding)
+    placement = partitioning.Placement.from_config(config, task.default_preset, mesh, check=False)
+    return api.controller(task, model_config, train_config, optimizer_config, placement, str(model_dir))

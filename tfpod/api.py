@@ -1,0 +1,202 @@
+"""The run API: what main.py runs, for tests, notebooks and other programs to call.
+
+    import tfpod
+    tfpod.run(["gin/lm_tiny.gin"], ["train.steps=20"], "runs/demo", mode="train", mesh_spec="data:4,model:2")
+
+`run` parses the gin config (tfpod.config), builds and checks every config before
+anything is written, and calls the mode's function in MODES with the configs and the
+run's options. A mode is a function (configs, model_dir, options) -> result dict; add
+one to MODES and main.py's --mode accepts it.
+
+`start` (the runtime, the mesh and the placement) and `controller` (a Trainer and its
+Controller) are the pieces the train and eval modes share, and what tests and
+benchmarks build runs from.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+from typing import Callable
+
+from tfpod import UserError, config
+
+log = logging.getLogger("tfpod")
+
+
+@dataclasses.dataclass
+class RunConfigs:
+    """Every config of a run, built and validated from the parsed gin config."""
+
+    task: object  # tfpod.task.Task
+    experiment: config.ExperimentConfig
+    model: object
+    data: object
+    train: object  # controller.TrainConfig
+    optimizer: object  # optimizers.OptimizerConfig
+    sharding: object  # partitioning.ShardingConfig
+
+
+@dataclasses.dataclass
+class RunOptions:
+    """What main.py's flags give a run besides the gin config.
+
+    Attributes:
+      mesh_spec: e.g. "data:-1,model:2" (None: experiment.mesh).
+      cpu_devices: split the host CPU into this many logical devices.
+      device_type: TPU, GPU or CPU (None: auto-detect).
+      checkpoint: eval and export: the checkpoint to use (None: the newest complete one).
+      model_name: export: TF Serving's name for the model (None: the task's).
+    """
+
+    mesh_spec: str | None = None
+    cpu_devices: int | None = None
+    device_type: str | None = None
+    checkpoint: str | None = None
+    model_name: str | None = None
+
+
+def build_run_configs() -> RunConfigs:
+    """Builds every config (each value checked: types, ranges, choices) from the parsed gin config."""
+    from tfpod.models import get_task
+
+    experiment = config.build_config("experiment")
+    task = get_task(experiment.model)
+    return RunConfigs(task=task, experiment=experiment, model=config.build_config(task.name),
+                      data=config.build_config(task.data_name), train=config.build_config("train"),
+                      optimizer=config.build_config("optimizer"), sharding=config.build_config("sharding"))
+
+
+def check_writable(model_dir: str) -> None:
+    """Creates model_dir and writes a scratch file in it; one UserError line when it cannot."""
+    probe = os.path.join(model_dir, f".tfpod-write-check-{os.getpid()}")
+    try:
+        os.makedirs(model_dir, exist_ok=True)
+        with open(probe, "w") as f:
+            f.write("ok")
+        os.remove(probe)
+    except OSError as e:
+        raise UserError(f"--model_dir={model_dir} cannot be written ({e.strerror or e}): pass a folder this "
+                        "process may create and write, e.g. on a local or mounted disk") from None
+
+
+@dataclasses.dataclass
+class Session:
+    """A started run: the runtime, the mesh and placement, and this host's input (None: synthetic)."""
+
+    info: object  # runtime.RuntimeInfo
+    placement: object  # partitioning.Placement
+    task_input: object | None  # input.common.TaskInput
+
+
+def start(c: RunConfigs, options: RunOptions) -> Session:
+    """Starts the runtime, makes the mesh and placement (a mesh axis nothing uses is an error),
+    and this host's input (the default demo data is prepared here on first use)."""
+    from tfpod import mesh as meshlib, partitioning, runtime
+    from tfpod.input.common import ShardInfo
+
+    info = runtime.initialize(cpu_devices=options.cpu_devices, device_type=options.device_type)
+    mesh = meshlib.make_mesh(options.mesh_spec or c.experiment.mesh)
+    placement = partitioning.Placement.from_config(c.sharding, c.task.default_preset, mesh)
+    task_input = None
+    if not c.train.synthetic_data:
+        task_input = c.task.make_input(c.data, c.model, ShardInfo(info.client_id, info.num_clients), c.train.seed)
+    return Session(info, placement, task_input)
+
+
+def controller(task, model_config, train_config, optimizer_config, placement, model_dir: str):
+    """A Trainer (the model and optimizer on the mesh, the compiled steps) and its Controller."""
+    from tfpod.controller import Controller
+    from tfpod.trainer import Trainer
+
+    trainer = Trainer(task, model_config, optimizer_config, placement, total_steps=train_config.steps,
+                      steps_per_loop=train_config.steps_per_loop, precision=train_config.precision,
+                      seed=train_config.seed)
+    return Controller(trainer, train_config, model_dir)
+
+
+def _check_eval_data(c: RunConfigs, session: Session, mode: str) -> None:
+    if session.task_input is None or session.task_input.eval is None:
+        raise UserError(f"--mode={mode} needs eval data: set {c.task.data_name}.eval_files (the default demo data has "
+                        "an eval split; train.synthetic_data=True has none)")
+
+
+def _eval_batches(session: Session, host_rows: int) -> list:
+    return [{k: v.numpy() for k, v in b.items()} for b in session.task_input.eval(host_rows)]
+
+
+def train(c: RunConfigs, model_dir: str, options: RunOptions, evaluating: bool = False) -> dict:
+    """--mode=train (and train_and_eval): trains from the newest checkpoint to train.steps.
+
+    config.gin (the operative config) and layouts.txt are written, atomically, once the
+    first call of the compiled loop has trained: a run that stops before leaves the
+    record of an earlier run in model_dir as it was.
+    """
+    check_writable(model_dir)
+    session = start(c, options)
+    run = controller(c.task, c.model, c.train, c.optimizer, session.placement, model_dir)
+    run.restore()  # a checkpoint that does not fit stops the run here
+    eval_batches = None
+    if evaluating:
+        _check_eval_data(c, session, "train_and_eval")
+        if not c.train.eval_every:
+            raise UserError("--mode=train_and_eval needs train.eval_every > 0: the steps between evaluations")
+        eval_batches = _eval_batches(session, run.host_rows)
+    feed = run.dataset_feed(session.task_input) if session.task_input is not None else None
+    return run.train(feed, eval_batches=eval_batches, run_files={"config.gin": config.operative_config()})
+
+
+def train_and_eval(c: RunConfigs, model_dir: str, options: RunOptions) -> dict:
+    """--mode=train_and_eval: training with a full evaluation every train.eval_every steps and
+    a stop at train.target_metric / target_value."""
+    return train(c, model_dir, options, evaluating=True)
+
+
+def evaluate(c: RunConfigs, model_dir: str, options: RunOptions) -> dict:
+    """--mode=eval: the newest (or a given) checkpoint, on any mesh, over the whole eval split."""
+    session = start(c, options)
+    _check_eval_data(c, session, "eval")
+    if not os.path.isdir(os.path.join(model_dir, "checkpoints")):
+        raise UserError(f"--mode=eval: no checkpoints in {model_dir}: train there first, or pass --model_dir of a "
+                        "trained run")
+    run = controller(c.task, c.model, c.train, c.optimizer, session.placement, model_dir)
+    step = run.checkpoints.restore(options.checkpoint) if options.checkpoint else run.checkpoints.restore_latest()
+    if step is None:
+        raise UserError(f"--mode=eval: no complete checkpoint in {model_dir}/checkpoints to evaluate")
+    return run.evaluate(_eval_batches(session, run.host_rows), step)
+
+
+def export(c: RunConfigs, model_dir: str, options: RunOptions) -> dict:
+    """--mode=export: a SavedModel for TF Serving, from a plain single-device copy (no mesh, no runtime)."""
+    from tfpod import export as export_lib
+
+    check_writable(model_dir)
+    return export_lib.export(c.task, c.model, c.data, model_dir, options.checkpoint, options.model_name)
+
+
+MODES: dict[str, Callable[[RunConfigs, str, RunOptions], dict]] = {
+    "train": train, "eval": evaluate, "train_and_eval": train_and_eval, "export": export,
+}
+
+
+def run(gin_files: list[str], gin_params: list[str], model_dir: str, mode: str = "train", **options) -> dict:
+    """Parses the gin config, checks every config, and runs `mode` in model_dir.
+
+    Args:
+      gin_files: gin files, applied in order (tfpod's gin/ folder is searched too).
+      gin_params: bindings applied after them, e.g. "train.steps=200".
+      model_dir: the run's folder.
+      mode: a key of MODES.
+      **options: RunOptions fields (mesh_spec, cpu_devices, device_type, checkpoint, model_name).
+
+    Returns:
+      The mode's result (train: {"step", "loss", "losses", "preempted"}; eval: the metrics).
+    """
+    if not model_dir:
+        raise UserError("--model_dir is required: the folder for checkpoints, config.gin and metrics")
+    if mode not in MODES:
+        raise UserError(f"--mode={mode!r}: use one of {', '.join(MODES)}")
+    config.parse_config(gin_files, gin_params)
+    configs = build_run_configs()
+    return MODES[mode](configs, model_dir, RunOptions(**options))

@@ -1,0 +1,367 @@
+"""The one place tfpod touches private parts of tf_keras, Model Garden and TensorFlow.
+
+tfpod builds on internals these libraries do not promise to keep: how tf_keras makes a
+model's variables lazily and places them on a mesh, optimizer slots, a layer's random
+generator, Model Garden layers' one-hot switches. Every such access is a function here,
+written against the versions in TESTED; importing this module checks the installed
+versions and stops with one line when one differs (setup.py pins them), instead of
+failing later in an AttributeError deep in a library.
+
+Public API (tf_keras.Model, tf_keras.layers.*, tf.data, dtensor) is used directly
+everywhere else.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+
+from tfpod import UserError
+
+# distribution -> the version prefix (major.minor) the accesses below are written for
+TESTED = {"tensorflow": "2.20", "tf-keras": "2.20", "tf-models-official": "2.20"}
+
+
+def check_versions(installed: dict[str, str] | None = None) -> None:
+    """Raises one UserError line when an installed version differs from TESTED."""
+    for dist, tested in TESTED.items():
+        try:
+            version = (installed or {}).get(dist) or importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            raise UserError(f"{dist} is not installed: tfpod needs {dist}=={tested}.*; pip install -e . installs "
+                            "the tested versions") from None
+        if version != tested and not version.startswith(tested + "."):
+            raise UserError(f"{dist} {version} is installed, but tfpod is written against {dist} {tested}.x (it uses "
+                            f"internals that change between versions): pip install '{dist}=={tested}.*' (pip install -e "
+                            ". pins the tested versions)")
+
+
+check_versions()
+
+
+# ---------------------------------------------------------------------------
+# tf_keras: layers and variables
+
+
+def flatten_layers(model, include_self: bool = True) -> list:
+    """Every layer inside `model` (tf_keras's own traversal, nested layers included)."""
+    return list(model._flatten_layers(include_self=include_self))
+
+
+def flatten(model, predicate, with_path: bool = False) -> list:
+    """tf.Module's traversal of `model`'s attributes: objects matching `predicate` (with paths)."""
+    return list(model._flatten(predicate=predicate, with_path=with_path))
+
+
+def inner_variable(v):
+    """The variable inside a mixed-precision AutoCastVariable (or `v` itself)."""
+    return v._variable if type(v).__name__ == "AutoCastVariable" else v
+
+
+def set_inner_variable(v, variable) -> None:
+    """Replaces the variable an AutoCastVariable wraps (every reference to it then sees the new one)."""
+    v._variable = variable
+
+
+def wrap_variable_reads(variable, wrap) -> None:
+    """Makes every read of `variable` return wrap(value) (the hook ResourceVariable reads go through)."""
+    read = variable._read_variable_op
+
+    def wrapped(*args, **kwargs):
+        return wrap(read(*args, **kwargs))
+
+    variable._read_variable_op = wrapped
+
+
+def lazy_variable():
+    """tf_keras's lazily initialized variables (tf_keras.src.dtensor.lazy_variable)."""
+    from tf_keras.src.dtensor import lazy_variable as module
+
+    return module
+
+
+def layout_map_lib():
+    """tf_keras's DTensor layout map module (LayoutMap, the variable mapping functions)."""
+    from tf_keras.src.dtensor import layout_map as module
+
+    return module
+
+
+def wrap_create_dvariable(wrap) -> None:
+    """Replaces tf_keras's lazy-variable -> DVariable function by wrap(original), once."""
+    lib = layout_map_lib()
+    if not getattr(lib._create_dvariable, "_tfpod", False):
+        lib._create_dvariable = wrap(lib._create_dvariable)
+        lib._create_dvariable._tfpod = True
+
+
+def wrap_variable_mapping(wrap) -> None:
+    """Replaces tf_keras's two functions that place a model's lazy variables (subclassed,
+    functional) by wrap(original), once."""
+    lib = layout_map_lib()
+    for name in ("_map_subclass_model_variable", "_map_functional_model_variable"):
+        if not getattr(getattr(lib, name), "_tfpod", False):
+            setattr(lib, name, wrap(getattr(lib, name)))
+            getattr(lib, name)._tfpod = True
+
+
+def place_model_variables(model, layout_map) -> None:
+    """Re-creates a lazily built subclassed model's variables as DVariables laid out by `layout_map`."""
+    layout_map_lib()._map_subclass_model_variable(model, layout_map)
+
+
+def create_dvariable(layout_map, path: str, variable):
+    """One lazy variable as a DVariable with the layout `layout_map` gives `path`."""
+    return layout_map_lib()._create_dvariable(layout_map, path, variable)
+
+
+def layout_map_of(model):
+    """The LayoutMap a model was built under (None: none)."""
+    return getattr(model, "_layout_map", None)
+
+
+def set_layout_map(model, layout_map) -> None:
+    """Marks `model` as built under `layout_map` (Keras-created counters then become DVariables)."""
+    model._layout_map = layout_map
+
+
+def is_functional(model) -> bool:
+    from tf_keras.src.engine import functional
+
+    return isinstance(model, functional.Functional)
+
+
+def split_first_argument(model, args, kwargs):
+    """(inputs, other args, other kwargs) of a call of `model`, as tf_keras splits them."""
+    return model._call_spec.split_out_first_arg(list(args), dict(kwargs))
+
+
+def causal_padding(layer, inputs):
+    """The padding a Keras convolution with padding='causal' applies to `inputs`."""
+    return layer._compute_causal_padding(inputs)
+
+
+def unfuse_normalization(layer) -> bool:
+    """Switches a Keras layer or batch normalization to its unfused ops; returns whether it was fused."""
+    from tf_keras.src.layers.normalization import batch_normalization
+
+    if isinstance(layer, tf_keras().layers.LayerNormalization) and getattr(layer, "_fused", False):
+        layer._fused = False
+        return True
+    if isinstance(layer, batch_normalization.BatchNormalizationBase) and getattr(layer, "fused", False):
+        layer.fused = False
+        return True
+    return False
+
+
+def training_value(layer, training):
+    """A Keras layer's effective `training` flag for a call."""
+    return layer._get_training_value(training)
+
+
+def assign_moving_average(layer, variable, value, momentum) -> None:
+    """Keras BatchNormalization's moving-average update of `variable` toward `value`."""
+    layer._assign_moving_average(variable, value, momentum, None)
+
+
+def stateless_dropout_generator(layer, seed_fn, dropout_fn) -> bool:
+    """Makes a Keras layer's random generator stateless, seeded by `seed_fn()`, with `dropout_fn`
+    as its dropout. Returns False when the layer has no tf_keras random generator."""
+    from tf_keras.src import backend
+
+    gen = getattr(layer, "_random_generator", None)
+    if not isinstance(gen, backend.RandomGenerator):
+        return False
+    gen._rng_type, gen._generator, gen._built = gen.RNG_STATELESS, None, True
+    gen.make_seed_for_stateless_op = seed_fn
+    gen.dropout = dropout_fn
+    return True
+
+
+def weight_lists(layer) -> tuple[list, list]:
+    """A layer's own (trainable, non-trainable) weight lists, in creation order (mutable)."""
+    return layer._trainable_weights, layer._non_trainable_weights
+
+
+def steps_per_execution(model):
+    """A compiled model's steps_per_execution variable (None before compile)."""
+    return getattr(model, "_steps_per_execution", None)
+
+
+def training_state(model):
+    """What Model.fit asks for the (epoch, step) to start at."""
+    return model._training_state
+
+
+def set_training_state(model, state) -> None:
+    model._training_state = state
+
+
+def tf_keras():
+    import tf_keras as module
+
+    return module
+
+
+# ---------------------------------------------------------------------------
+# tf_keras: optimizers and metrics
+
+
+def decayed_lr(optimizer):
+    """A legacy (Model Garden) optimizer's learning rate at its current step (a tensor)."""
+    import tensorflow as tf
+
+    return optimizer._decayed_lr(tf.float32)
+
+
+def legacy_optimizer_class():
+    """tf_keras's legacy OptimizerV2 (Model Garden's optimizers subclass it)."""
+    return tf_keras().optimizers.legacy.Optimizer
+
+
+def create_optimizer_weights(optimizer) -> None:
+    """A legacy optimizer's step counter and hyperparameters, created now."""
+    optimizer._create_all_weights([])
+
+
+def create_slots(optimizer, variable) -> None:
+    """A legacy optimizer's slots of `variable`, created now."""
+    optimizer._create_slots([variable])
+
+
+def slot_table(optimizer) -> dict:
+    """A legacy optimizer's {variable key: {slot name: slot}} (mutable: it is the optimizer's own)."""
+    return optimizer._slots
+
+
+def var_key(variable) -> str:
+    """The key a legacy optimizer files `variable`'s slots under."""
+    from tf_keras.src.optimizers.legacy import optimizer_v2
+
+    return optimizer_v2._var_key(variable)
+
+
+def adam_coefficients(optimizer, variable, apply_state):
+    """(learning rate, {beta_1_t, beta_2_t, beta_1_power, beta_2_power, epsilon, weight_decay_rate})
+    of Model Garden's AdamWeightDecay for one variable's update at the current step."""
+    key = (variable.device, variable.dtype.base_dtype)
+    lr, _ = optimizer._get_lr(variable.device, variable.dtype.base_dtype, apply_state)
+    return lr, (apply_state or {}).get(key) or optimizer._fallback_apply_state(*key)
+
+
+def uses_weight_decay(optimizer, name: str) -> bool:
+    """Whether Model Garden's AdamWeightDecay decays the variable named `name`."""
+    return optimizer._do_use_weight_decay(name)
+
+
+def legacy_has_state(optimizer) -> bool:
+    return bool(optimizer._slots or optimizer._hypers_created)
+
+
+def optimizer_built(optimizer) -> bool:
+    """Whether a tf_keras (new) optimizer has made its slots."""
+    return getattr(optimizer, "_built", False)
+
+
+def optimizer_mesh(optimizer):
+    """The mesh a tf_keras (new) optimizer was made for (None: none)."""
+    return getattr(optimizer, "_mesh", None)
+
+
+def new_on_mesh(cls, config: dict, mesh):
+    """An object of a tf_keras class that takes `mesh=` only through its private attribute
+    (metrics), made from `config` with the mesh set before its variables."""
+    obj = cls.__new__(cls)
+    object.__setattr__(obj, "_mesh", mesh)
+    obj.__init__(**config)
+    return obj
+
+
+# ---------------------------------------------------------------------------
+# Model Garden layers
+
+
+def set_one_hot(embedding, on: bool) -> None:
+    """Model Garden's OnDeviceEmbedding: look up by a one-hot matmul (True) or a gather."""
+    embedding._use_one_hot = on
+
+
+def position_embeddings(layer):
+    """Model Garden's PositionEmbedding table [max_length, width]."""
+    return layer._position_embeddings
+
+
+def transformer_layers(encoder) -> list:
+    """Model Garden's BertEncoderV2 blocks."""
+    return encoder._transformer_layers
+
+
+def set_transformer_layers(encoder, layers: list) -> None:
+    encoder._transformer_layers = layers
+
+
+def rename_layer(layer, name: str) -> None:
+    """Sets a built-in layer's name (variable names, hence rule paths, follow it)."""
+    layer._name = name
+
+
+def set_embedding_initializer(embedding, initializer) -> None:
+    """Model Garden's OnDeviceEmbedding: the initializer its table is made with (before it builds)."""
+    embedding._initializer = initializer
+
+
+# ---------------------------------------------------------------------------
+# TensorFlow
+
+
+def checkpoint_objects(ckpt) -> dict:
+    """{checkpoint key: variable} of every variable a tf.train.Checkpoint saves (slots included)."""
+    import tensorflow as tf
+    from tensorflow.python.checkpoint import graph_view, util
+
+    objects, _, _, _, names = util.objects_ids_and_slot_variables_and_paths(graph_view.ObjectGraphView(ckpt))
+    return {f"{names[o]}/.ATTRIBUTES/VARIABLE_VALUE": o for o in objects if isinstance(o, tf.Variable)}
+
+
+def unary_dataset_base():
+    """tf.data's base class of a dataset that wraps another with the same structure."""
+    from tensorflow.python.data.ops import dataset_ops
+
+    return dataset_ops.UnaryUnchangedStructureDataset
+
+
+def variant_tensor(dataset):
+    return dataset._variant_tensor
+
+
+def iterator_resource(iterator):
+    return iterator._iterator_resource
+
+
+def dtensor_iterator_base():
+    """DTensor's iterator over per-device iterators (what DTensorDataset iterates with)."""
+    from tensorflow.dtensor.python import input_util
+
+    return input_util._DTensorIterator
+
+
+def set_iterator_element_layouts(packed_resource, layouts) -> None:
+    """Tells DTensor the layouts of the elements a packed iterator resource yields."""
+    from tensorflow.dtensor.python import api
+
+    api._dtensor_device().set_iterator_element_layouts(packed_resource, layouts)
+
+
+def pack_resources(resources, layout):
+    """Per-device resources (iterators) as one DTensor resource."""
+    from tensorflow.dtensor.python import api
+
+    return api.pack(resources, layout)
+
+
+# ---------------------------------------------------------------------------
+# sacrebleu
+
+
+def bleu_sentence_statistics(bleu, hypotheses: list[str], references: list[str]):
+    """sacrebleu's per-sentence BLEU sufficient statistics (what BLEU.corpus_score sums)."""
+    return bleu._extract_corpus_statistics(hypotheses, [references])

@@ -1,0 +1,323 @@
+"""The outer loop: cadence, evaluation and the target stop, checkpoints, preemption, what
+non-finite steps do, and the metrics; around the compiled steps of a Trainer.
+
+    controller = Controller(trainer, train_config, model_dir)
+    controller.restore()                       # the newest good checkpoint, if any
+    controller.train(feed, eval_batches=..., run_files={"config.gin": ...})
+
+Each iteration: the feed gives the next call's batches (up to the next log,
+checkpoint or eval boundary, at most steps_per_loop), the trainer runs them in one call
+of its compiled loop, then on the host: the non-finite policy, the run's record (once
+training has started), the log line, the evaluation and the target stop, the hosts'
+agreement on a preemption notice, and the checkpoint. Everything here runs eagerly.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import logging
+import os
+import time
+from typing import Mapping
+
+import numpy as np
+
+from tfpod import UserError, checkpoint, feeding, flops, mesh as meshlib, nonfinite, runtime
+from tfpod.metrics_writer import MetricsWriter, Throughput
+from tfpod.trainer import Trainer
+
+log = logging.getLogger("tfpod")
+
+PRECISIONS = ("float32", "mixed_bfloat16")
+
+
+@dataclasses.dataclass
+class TrainConfig:
+    """The run. Attributes map 1:1 to gin `train.<name>`.
+
+    Attributes:
+      steps: total optimizer steps of the run (a resumed run trains up to this).
+      global_batch_size: examples per step over all hosts and devices.
+      seed: seeds initialization, dropout and synthetic data.
+      steps_per_loop: train steps per call of the compiled loop (host round trip).
+      checkpoint_every: save every this many steps (and always at the end).
+      eval_every: steps between evaluations in train_and_eval mode (0: never).
+      log_every: log and write metrics every this many steps.
+      synthetic_data: random batches of the experiment's shapes, no files read.
+      keep_checkpoints: how many recent checkpoints to keep.
+      precision: float32, or mixed_bfloat16 (bf16 compute, fp32 weights and loss).
+      peak_flops: per-device peak FLOP/s for MFU (None: data sheet or measured).
+      target_metric: train_and_eval stops when this eval metric reaches target_value
+        (loss and perplexity: at or below; others: at or above).
+      target_value: see target_metric.
+      on_nonfinite: what a step whose loss or gradient norm is NaN or Inf does. Its update
+        is never applied (the compiled step skips it) and no checkpoint is ever written of
+        non-finite weights; then "stop" (exit naming the step and the newest checkpoint),
+        "skip" (go on with the next batch) or "rollback" (restore the newest checkpoint
+        and go on with the next batches, as Model Garden's loss-blowup recovery does).
+      max_nonfinite: "skip": most steps skipped in a row; "rollback": most rollbacks
+        before a new checkpoint is reached. One more stops the run.
+      strict_resume: a resumed run whose input is not the one its checkpoint's input
+        position was saved with (other files, format, batch, ...) stops with one line,
+        instead of starting the new input from its beginning with a warning.
+    """
+
+    steps: int = 100
+    global_batch_size: int = 8
+    seed: int = 0
+    steps_per_loop: int = 10
+    checkpoint_every: int = 100
+    eval_every: int = 0
+    log_every: int = 10
+    synthetic_data: bool = False
+    keep_checkpoints: int = 3
+    precision: str = "float32"
+    peak_flops: float | None = None
+    target_metric: str | None = None
+    target_value: float | None = None
+    on_nonfinite: str = "stop"
+    max_nonfinite: int = 3
+    strict_resume: bool = False
+
+    def reached(self, result: Mapping[str, float]) -> bool:
+        """Whether an eval result reaches the target (never without one)."""
+        if self.target_metric is None or self.target_value is None:
+            return False
+        if self.target_metric not in result:
+            raise UserError(f"train.target_metric={self.target_metric!r} is not an eval metric: use one of "
+                            f"{', '.join(k for k, v in result.items() if isinstance(v, float))}")
+        value = result[self.target_metric]
+        lower_better = self.target_metric in ("loss", "perplexity")
+        return value <= self.target_value if lower_better else value >= self.target_value
+
+    def __post_init__(self):
+        for field in ("steps", "global_batch_size", "steps_per_loop", "checkpoint_every", "log_every"):
+            if getattr(self, field) < 1:
+                raise UserError(f"train.{field}={getattr(self, field)} must be at least 1")
+        if self.eval_every < 0:
+            raise UserError(f"train.eval_every={self.eval_every} must be >= 0")
+        if self.precision not in PRECISIONS:
+            raise UserError(f"train.precision={self.precision!r}: use one of {', '.join(PRECISIONS)}")
+        if self.on_nonfinite not in nonfinite.POLICIES:
+            raise UserError(f"train.on_nonfinite={self.on_nonfinite!r}: use one of {', '.join(nonfinite.POLICIES)}")
+        if self.max_nonfinite < 1:
+            raise UserError(f"train.max_nonfinite={self.max_nonfinite} must be at least 1")
+
+
+class Controller:
+    """Runs a Trainer: the loop, its checkpoints, evaluation and records in `model_dir`.
+
+    Args:
+      trainer: the built model, optimizer and compiled steps.
+      config: TrainConfig.
+      model_dir: the run's folder.
+    """
+
+    def __init__(self, trainer: Trainer, config: TrainConfig, model_dir: str):
+        self.trainer, self.cfg, self.model_dir = trainer, config, model_dir
+        self.info = runtime.info()
+        self.is_chief = self.info.client_id == 0
+        placement, task = trainer.placement, trainer.task
+        batch_axes = next(iter(task.batch_axes().values()))  # the batch axis of any feature
+        self.host_rows = placement.host_rows(config.global_batch_size, batch_axes)
+        tokens = task.tokens_per_example(trainer.model_config)
+        log.info("%s", meshlib.describe(placement.mesh, config.global_batch_size, tokens,
+                                        placement.batch_axis(batch_axes) or "data"))
+        summary = "\n".join(line for line in trainer.layout_report().splitlines() if line.startswith("#"))
+        log.info("layouts (every variable: %s, written when training starts):\n%s",
+                 os.path.join(model_dir, "layouts.txt"), summary)
+        os.makedirs(model_dir, exist_ok=True)
+        self.checkpoints = checkpoint.CheckpointManager(model_dir, trainer.step, keep=config.keep_checkpoints,
+                                                        model=trainer.model, optimizer=trainer.optimizer)
+        tokens_per_step = config.global_batch_size * (tokens or 1)
+        per_device = config.peak_flops or flops.peak_flops_per_device(
+            self.info.device_type, "bfloat16" if config.precision == "mixed_bfloat16" else "float32")
+        # Logical CPU devices share the host's cores, and the CPU peak is measured per host.
+        units = self.info.num_clients if (self.info.device_type == "CPU" and not config.peak_flops) \
+            else self.info.num_global_devices
+        self.writer = MetricsWriter(model_dir, self.is_chief, config.steps, Throughput(
+            config.global_batch_size, tokens_per_step, task.flops_per_token(trainer.model_config) * tokens_per_step,
+            per_device * units))
+        self._restored: tuple[int | None] | None = None
+
+    def restore(self) -> int | None:
+        """Restores the newest good checkpoint (if any) before anything is written; returns its step.
+
+        `train` uses this restore instead of its own when it was called first.
+        """
+        self._restored = (self.checkpoints.restore_latest(),)
+        return self._restored[0]
+
+    def synthetic_feed(self) -> feeding.SyntheticFeed:
+        """This host's rows of synthetic batches of the task's shapes, seeded by (train.seed, step)."""
+        t, c = self.trainer, self.cfg
+        rows = t.placement.host_row_indices(c.global_batch_size, next(iter(t.task.batch_axes().values())))
+        return feeding.SyntheticFeed(lambda rng: t.task.synthetic_batch(t.model_config, c.global_batch_size, rng),
+                                     c.seed, rows)
+
+    def dataset_feed(self, task_input) -> feeding.DatasetFeed:
+        """This host's training dataset of `task_input`, its position checkpointed."""
+        task = self.trainer.task
+        skip_knob = "skip_corrupt" in {f.name for f in dataclasses.fields(task.data_config_class)}
+        return feeding.DatasetFeed(task_input, self.host_rows, self.model_dir, self.info.client_id,
+                                   self.info.num_clients, self.cfg.seed, self.cfg.keep_checkpoints,
+                                   self.cfg.strict_resume, task.data_name, skip_knob)
+
+    def _next_boundary(self, step: int) -> int:
+        c = self.cfg
+        marks = [c.steps, (step // c.log_every + 1) * c.log_every, (step // c.checkpoint_every + 1) * c.checkpoint_every]
+        if c.eval_every:
+            marks.append((step // c.eval_every + 1) * c.eval_every)
+        return min(min(marks), step + c.steps_per_loop)
+
+    def _write_run_record(self, run_files: Mapping[str, str] | None) -> None:
+        """layouts.txt and `run_files`, each written atomically by host 0 (see `train`)."""
+        if self.is_chief:
+            for name, text in {"layouts.txt": self.trainer.layout_report(), **(run_files or {})}.items():
+                checkpoint.write_atomically(os.path.join(self.model_dir, name), text)
+
+    def train(self, feed=None, eval_batches: list | None = None, run_files: Mapping[str, str] | None = None) -> dict:
+        """Trains from the newest checkpoint (or from scratch) up to train.steps.
+
+        Args:
+          feed: this host's batches (feeding.DatasetFeed; None: synthetic_feed()).
+          eval_batches: this host's eval batches (train_and_eval): evaluated every
+            train.eval_every steps; the run stops early when train.target_* is reached.
+          run_files: {file name: text} the run's record in model_dir besides
+            layouts.txt (the run's config.gin): written by host 0, atomically, once the
+            first call of the compiled loop has trained, so a run that fails before
+            training leaves the record of the earlier run as it was.
+
+        SIGTERM (preemption) during training finishes the current call of the compiled loop,
+        saves a checkpoint and returns with "preempted" set; rerunning resumes from it.
+
+        Returns:
+          {"step": final step, "loss": last logged loss, "losses": every step's loss,
+          "preempted": whether SIGTERM stopped the run}.
+        """
+        c = self.cfg
+        resumed = self._restored[0] if self._restored is not None else self.checkpoints.restore_latest()
+        self._restored = None
+        step = resumed or 0
+        if step >= c.steps:
+            log.info("already at step %d of train.steps=%d: nothing to train", step, c.steps)
+            return {"step": step, "loss": None, "losses": [], "preempted": False}
+        feed = feed or self.synthetic_feed()
+        batches = feed.start(step, resumed)
+        start_step, t_start = step, time.time()
+        losses_so_far, last_loss = [], None
+        guard = nonfinite.NonfiniteGuard(c.on_nonfinite, c.max_nonfinite, self.checkpoints)
+        self._rate, self._traces_seen, self._calls, self._pending_save = None, self.trainer.traces, 0, False
+        self.writer.reset_window()
+        preempted = False
+
+        # A host lost in any collective below (step, preemption agreement, eval, save) is one error line.
+        with runtime.stop_on_lost_host(lambda: self.checkpoints.latest), \
+                checkpoint.Preemption(self.trainer.placement.mesh, self.info.num_clients) as preemption:
+            if preemption.requested():  # during start-up: nothing new to save
+                log.warning("preempted before the first step: nothing new to save; rerun the same command to resume")
+                return {"step": step, "loss": None, "losses": [], "preempted": True}
+            while step < c.steps:
+                n = self._next_boundary(step) - step
+                losses, norms = self._call(feeding.stack([next(batches) for _ in range(n)], c.steps_per_loop), n, step)
+                rolled_back_to = guard.check(step, losses, norms)
+                if self._calls == 1:  # training has started: only now is the run's record written over
+                    self._write_run_record(run_files)
+                if rolled_back_to is None:
+                    step += n
+                    losses_so_far.extend(float(x) for x in losses)
+                    self.writer.add_steps(losses, norms)
+                    if step % c.log_every == 0 or step == c.steps:
+                        last_loss = self.writer.train(step, self.trainer.learning_rate(), self._rate)["loss"]
+                    reached = self._evaluate_on_cadence(eval_batches, step, t_start)
+                    preempted = preemption.requested()
+                    last = step == c.steps or reached or preempted
+                    if last or self._pending_save or step % c.checkpoint_every == 0:
+                        rolled_back_to = self._checkpoint(step, last, guard, feed)
+                        if rolled_back_to is None and last:
+                            break
+                if rolled_back_to is not None:  # the weights, slots and step are the checkpoint's again
+                    del losses_so_far[max(0, rolled_back_to - start_step):]
+                    step = rolled_back_to
+                    self.writer.reset_window()
+        if preempted:
+            log.warning("preempted: saved %s at step %d; rerun the same command to resume", self.checkpoints.latest,
+                        step)
+        log.info(
+            "trained steps %d..%d in %s; final loss %.4f",
+            start_step, step, datetime.timedelta(seconds=round(time.time() - t_start)), losses_so_far[-1],
+        )
+        self.writer.flush()
+        return {"step": step, "loss": last_loss, "losses": losses_so_far, "preempted": preempted}
+
+    def _call(self, stacked: Mapping[str, np.ndarray], n: int, step: int) -> tuple[np.ndarray, np.ndarray]:
+        """One call of the compiled loop: its losses and gradient norms. Keeps the rate of the
+        calls after the first (compiling) one, and warns when a later call traced again."""
+        t = self.trainer
+        t_call = time.time()
+        losses, norms = t.train_loop(stacked, n)
+        dt = time.time() - t_call
+        if self._calls:
+            if t.traces > self._traces_seen:  # shapes, dtypes or Python values changed between calls
+                log.warning("the train loop was traced again at step %d (trace %d): each trace recompiles it; feed "
+                            "batches of one shape and dtype", step, t.traces)
+            self._rate = dt / n if self._rate is None else 0.7 * self._rate + 0.3 * dt / n
+        self._traces_seen, self._calls = t.traces, self._calls + 1
+        return losses, norms
+
+    def _evaluate_on_cadence(self, eval_batches: list | None, step: int, t_start: float) -> bool:
+        """Evaluates every train.eval_every steps (train_and_eval); whether the target is reached."""
+        c = self.cfg
+        if eval_batches is None or not c.eval_every or not (step % c.eval_every == 0 or step == c.steps):
+            return False
+        result = self.evaluate(eval_batches, step, extra={"train_seconds": time.time() - t_start})
+        if not c.reached(result):
+            return False
+        log.info("reached %s %s %.4f at step %d, %s after the start of training", c.target_metric,
+                 "<=" if c.target_metric in ("loss", "perplexity") else ">=", c.target_value, step,
+                 datetime.timedelta(seconds=round(time.time() - t_start)))
+        return True
+
+    def _checkpoint(self, step: int, last: bool, guard: nonfinite.NonfiniteGuard, feed) -> int | None:
+        """Saves the input position and then the model at `step`; returns the step rolled back to, if any.
+
+        During a streak of skipped non-finite steps the save waits for the next step that
+        trains (older checkpoints are never rotated out for it), unless this is the last.
+        Weights or slots that became non-finite stop the run, or roll back under "rollback".
+        """
+        if guard.skipping and not last:
+            if not self._pending_save:
+                log.warning("step %d was skipped as non-finite: its checkpoint waits for the next step that trains",
+                            step)
+            self._pending_save = True
+            return None
+        try:
+            self.checkpoints.check_finite()
+        except checkpoint.NonfiniteState as e:
+            if self.cfg.on_nonfinite != "rollback":
+                raise
+            return guard.roll_back(f"the weights or optimizer state became NaN or Inf at step {step} "
+                                   f"({', '.join(e.variables[:3])})")
+        feed.save(step)  # first, so the model checkpoint always has its input position
+        self.checkpoints.save(checked=True)
+        self._pending_save = False
+        guard.saved()
+        return None
+
+    def evaluate(self, host_batches, step: int | None = None, extra: Mapping | None = None) -> dict:
+        """One full pass over this host's eval batches on the mesh; logs and records it.
+
+        Returns:
+          {metric: value, "num_examples": true eval-set size, "eval_steps", "step"}.
+        """
+        step = int(self.trainer.step.numpy()) if step is None else step
+        started = time.time()
+        result = self.trainer.evaluate(host_batches, self.host_rows)
+        result["step"] = step
+        if extra:
+            result.update(extra)
+            if self.cfg.target_metric is not None and self.cfg.target_value is not None:
+                result["target_reached"] = self.cfg.reached(result)
+        self.writer.eval(result, time.time() - started)
+        return result

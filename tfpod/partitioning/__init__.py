@@ -1,0 +1,89 @@
+"""Partitioning, owned in one place: logical axes, rules tables as data, validation, layouts.
+
+Models name the dimensions of their variables with *logical axes* (`batch`, `length`,
+`embed`, `heads`, `kv`, `mlp`, `vocab`, `expert`). Variable-path rules (regex over the
+variable name, e.g. `gpt/block_\\d+/self_attention/query/kernel`) give logical axes to
+variables of layers we do not write (tf-models-official). One *rules table* maps each
+logical axis to a mesh axis (or to nothing: replicated). Presets are rules tables:
+
+    data           every weight replicated, the batch split over `data`
+    tensor         Megatron-LM: heads and mlp hidden over `model` (column-parallel into
+                   a block, row-parallel out of it), vocab-parallel embedding and
+                   output layer; MoE experts over `expert`
+    2d             `tensor`, and every weight's `embed` dimension also over `data`
+                   (weights and optimizer state divided by the whole mesh; DTensor
+                   gathers a weight's `data` shards where a layer uses it)
+    weight_update  `tensor` for compute, and the optimizer state and update sharded
+                   over `data` (MLPerf TPU-pod weight-update sharding, ZeRO-style): see
+                   UPDATE_AXIS and tfpod.optimizers.Update
+
+Two switches combine with any preset: `sequence_parallel` maps the residual stream's
+`sequence` axis to `model` (Megatron sequence parallelism: layer norms and dropout
+between blocks run on sequence shards), and `update_axis` names a mesh axis over which
+the optimizer state and update are sharded.
+
+A rules table names mesh axes, not sizes: on a mesh without a `model` axis the
+`tensor` preset's model-parallel dimensions are simply replicated, so one table serves
+every mesh. Within one tensor a mesh axis shards at most one dimension (the first).
+
+Everything is validated before a variable is allocated: a rank mismatch, a dimension
+not divisible by its mesh axis, a variable matched by two rules, a variable matched by
+none, and a rule that matches nothing each raise one UserError naming the variable, its
+shape and the rule.
+
+The modules, each usable on its own (this package re-exports their public names):
+
+  rules        logical axes, presets, AxisRule, rules_table, resolve (validation),
+               check_mesh_axes, ShardingConfig (gin `sharding.*`)
+  report       the layout report (layouts.txt)
+  build        a tf_keras model materialized as DVariables laid out by the rules;
+               update_layout (weight-update sharding); gather_when_used (`2d`)
+  activations  shard / split / replicate of activations inside the compiled step
+  dropout      dropout masks a resumed run replays, the same on every replica
+  placement    Placement: the mesh, the table, the update and gather axes, and which
+               rows of the global batch each host feeds (host_rows, to_global, to_host)
+"""
+
+
+from tfpod.partitioning.activations import activation_sharding, active_context, replicate, shard, split
+from tfpod.partitioning.build import (build_sharded, compute_layout, gather_when_used, gathered_weights, rows_split,
+                                      update_layout, variable_specs)
+from tfpod.partitioning.dropout import random_layout, replayable_dropout
+from tfpod.partitioning.placement import Placement, batch_mesh_axis, host_rows, local_shards
+from tfpod.partitioning.report import bytes_per_device, layout_report
+from tfpod.partitioning.rules import (GATHER_AXIS, LOGICAL_AXES, PRESETS, UPDATE_AXIS, AxisRule, ShardingConfig, VarSpec,
+                                      check_mesh_axes, layout_for, resolve, rules_table)
+
+__all__ = [
+    "activation_sharding",
+    "active_context",
+    "replicate",
+    "shard",
+    "split",
+    "build_sharded",
+    "compute_layout",
+    "gather_when_used",
+    "gathered_weights",
+    "rows_split",
+    "update_layout",
+    "variable_specs",
+    "random_layout",
+    "replayable_dropout",
+    "Placement",
+    "batch_mesh_axis",
+    "host_rows",
+    "local_shards",
+    "bytes_per_device",
+    "layout_report",
+    "GATHER_AXIS",
+    "LOGICAL_AXES",
+    "PRESETS",
+    "UPDATE_AXIS",
+    "AxisRule",
+    "ShardingConfig",
+    "VarSpec",
+    "check_mesh_axes",
+    "layout_for",
+    "resolve",
+    "rules_table",
+]

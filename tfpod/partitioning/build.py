@@ -1,0 +1,186 @@
+"""Materializing a tf_keras model as DVariables laid out by the rules; weights gathered where used.
+
+The model is first built with lazily initialized variables (nothing allocated), every
+variable is validated against the rules (`rules.resolve`), and only then are the
+DVariables created. Under the `2d` preset a weight stays sharded in memory and is
+gathered where a layer reads it (`gather_when_used`); under weight-update sharding its
+optimizer state takes `update_layout`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from typing import Mapping, Sequence
+
+import tensorflow as tf
+from tensorflow.experimental import dtensor
+
+from tfpod import compat
+from tfpod.partitioning.rules import AxisRule, VarSpec, resolve
+
+# Materializing a Keras model as sharded DVariables
+
+
+def _lazy_variables(model):
+    """[(object_path, variable)] of a lazily built tf_keras model, one entry per path.
+
+    `variable` is a LazyInitVariable, or (under a mixed-precision policy) an
+    AutoCastVariable wrapping one.
+    """
+    lazy = compat.lazy_variable().LazyInitVariable
+    is_lazy = lambda o: isinstance(compat.inner_variable(o), lazy)
+    return [(".".join(str(p) for p in path), v) for path, v in compat.flatten(model, is_lazy, with_path=True)]
+
+
+_unwrap = compat.inner_variable
+
+
+def _var_name(v) -> str:
+    return v.name[:-2] if v.name.endswith(":0") else v.name
+
+
+def _lazy_build(model_fn, input_signature):
+    """Builds the model symbolically with lazily initialized variables (nothing allocated)."""
+    import tf_keras
+
+    tf_keras.backend.experimental.enable_tf_random_generator()  # DTensor needs tf.random.Generator
+    with compat.lazy_variable().lazy_init_scope():
+        model = model_fn()
+        inputs = tf.nest.map_structure(
+            lambda s: tf_keras.Input(shape=s.shape[1:], dtype=s.dtype, name=getattr(s, "name", None)),
+            input_signature,
+        )
+        model(inputs)
+    pairs = _lazy_variables(model)
+    by_id = {}
+    for path, v in pairs:
+        by_id.setdefault(id(v), (path, v))
+    specs = [VarSpec(_var_name(v), tuple(v.shape.as_list()), _unwrap(v).dtype) for _, v in by_id.values()]
+    return model, pairs, by_id, specs
+
+
+def variable_specs(model_fn, input_signature) -> list[VarSpec]:
+    """The model's variables (name, global shape, dtype) without allocating any."""
+    return _lazy_build(model_fn, input_signature)[3]
+
+
+def build_sharded(
+    model_fn,
+    input_signature,
+    mesh: dtensor.Mesh,
+    axis_rules: Sequence[AxisRule],
+    table: Mapping[str, str | None],
+):
+    """Builds a tf_keras model whose variables are DVariables laid out by the rules.
+
+    The model is first built symbolically with lazily initialized variables (nothing is
+    allocated), every variable is validated against the rules, and only then are the
+    DVariables created with their layouts. Initial values are computed replicated and
+    then relaid out, so they are the same on every mesh for the same seed.
+
+    Args:
+      model_fn: () -> tf_keras.Model (a subclassed model).
+      input_signature: nest of tf.TensorSpec (batch dimension None) to build it with.
+      mesh: the mesh.
+      axis_rules: variable-path rules giving logical axes.
+      table: logical axis -> mesh axis.
+
+    Returns:
+      (model, specs, layouts): the built model, its VarSpecs and {name: Layout}.
+
+    Raises:
+      UserError: any rules-validation error (see `resolve`), before allocation.
+    """
+    model, pairs, by_id, specs = _lazy_build(model_fn, input_signature)
+    layouts = resolve(specs, axis_rules, table, mesh)
+    path_layouts = {path: layouts[_var_name(v)] for path, v in pairs}
+
+    class _Exact(compat.layout_map_lib().LayoutMap):
+        def __getitem__(self, key):
+            return path_layouts.get(key)
+
+    exact = _Exact(mesh=mesh)
+    # Mixed precision: every reference shares the AutoCastVariable, so swapping the
+    # variable inside it places them all; tf_keras maps the plain lazy variables.
+    for path, v in by_id.values():
+        if v is not _unwrap(v):
+            compat.set_inner_variable(v, compat.create_dvariable(exact, path, _unwrap(v)))
+    compat.place_model_variables(model, exact)
+    compat.set_layout_map(model, exact)  # Keras-created counters become replicated DVariables
+    return model, specs, layouts
+
+
+def rows_split(variable) -> bool:
+    """Whether a (D)Variable's first dimension is split over a mesh axis (False without a mesh)."""
+    layout = getattr(_unwrap(variable), "layout", None)  # AutoCastVariable wraps it
+    return layout is not None and layout.sharding_specs[0] != dtensor.UNSHARDED
+
+
+def update_layout(layout: dtensor.Layout, shape: Sequence[int], axis: str | None) -> dtensor.Layout:
+    """The layout of a weight's optimizer state when the update is sharded over `axis`.
+
+    The first dimension that is unsharded and divisible by the axis size is split over
+    it; a weight already sharded over `axis`, with no such dimension, or on a mesh
+    without the axis keeps its own layout.
+    """
+    mesh = layout.mesh
+    specs = list(layout.sharding_specs)
+    if axis is None or axis not in mesh.dim_names or axis in specs:
+        return layout
+    n = mesh.dim_size(axis)
+    for dim, (size, spec) in enumerate(zip(shape, specs)):
+        if spec == dtensor.UNSHARDED and size % n == 0:
+            specs[dim] = axis
+            return dtensor.Layout(specs, mesh)
+    return layout
+
+
+_GATHERING = threading.local()
+
+
+@contextlib.contextmanager
+def gathered_weights():
+    """Within this context, weights installed by `gather_when_used` read gathered."""
+    prev = getattr(_GATHERING, "on", False)
+    _GATHERING.on = True
+    try:
+        yield
+    finally:
+        _GATHERING.on = prev
+
+
+def compute_layout(layout: dtensor.Layout, axis: str) -> dtensor.Layout:
+    """`layout` with the dimension sharded over `axis` (if any) unsharded."""
+    return dtensor.Layout([dtensor.UNSHARDED if s == axis else s for s in layout.sharding_specs], layout.mesh)
+
+
+def gather_when_used(variables, axis: str | None) -> list[str]:
+    """Makes weights stored sharded over `axis` read gathered over it inside `gathered_weights`.
+
+    This is the `2d` preset's "gathered per layer when used" (FSDP / ZeRO-3): the
+    weight stays sharded in memory and in the optimizer; where a layer reads it in the
+    forward pass, the read is relaid out to the weight's layout without `axis` (an
+    all-gather), and its gradient flows back through the relayout (reduce-scattered
+    to the stored layout). Reads outside the context (the optimizer, checkpoints) see
+    the stored shards.
+
+    Returns:
+      The names of the variables that gather.
+    """
+    names = []
+    if axis is None:
+        return names
+    for v in variables:
+        inner = _unwrap(v)
+        layout = dtensor.fetch_layout(inner)
+        if axis not in layout.sharding_specs:
+            continue
+        target = compute_layout(layout, axis)
+
+        def gathered(value, _target=target):
+            return dtensor.relayout(value, _target) if getattr(_GATHERING, "on", False) else value
+
+        compat.wrap_variable_reads(inner, gathered)
+        names.append(_var_name(inner))
+    return names

@@ -1,0 +1,179 @@
+"""One run's placement on the mesh: the mesh, the rules table, the update and gather axes,
+and the data layout (which rows of the global batch each host holds and feeds).
+
+Every host holds the rows of the global batch that belong to its own devices' shards
+of the batch axis, in shard order: `host_rows` is how many (global_batch / hosts when
+hosts own whole shards). `to_global` packs a host's rows as the local components of
+DTensors over the global mesh (`dtensor.pack`), so no host ever builds or sends the
+whole global batch; `to_host` is its inverse (this host's rows of a batch-sharded
+tensor, in the order the host fed them).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+from typing import Mapping, Sequence
+
+import numpy as np
+import tensorflow as tf
+from tensorflow.experimental import dtensor
+
+from tfpod import UserError
+from tfpod.partitioning.activations import activation_sharding
+from tfpod.partitioning.rules import ShardingConfig, check_mesh_axes, layout_for
+
+
+def batch_mesh_axis(axes: Sequence[str | None], table: Mapping[str, str | None], mesh) -> str | None:
+    """The mesh axis the first (batch) dimension of a feature with these logical axes is split over."""
+    spec = layout_for(axes, table, mesh).sharding_specs
+    return None if spec[0] == dtensor.UNSHARDED else spec[0]
+
+
+def local_shards(mesh: dtensor.Mesh, batch_axis: str | None) -> list[int]:
+    """Indices (along the batch mesh axis) of the batch shards this host's devices hold."""
+    if batch_axis is None:
+        return [0]
+    return sorted({loc[batch_axis] for loc in mesh.local_device_locations()})
+
+
+def host_rows(global_batch: int, mesh: dtensor.Mesh, batch_axis: str | None, num_hosts: int | None = None) -> int:
+    """Rows of the global batch this host must supply.
+
+    Args:
+      num_hosts: hosts in the job (None: DTensor's client count).
+
+    Raises:
+      UserError: the global batch does not divide over the batch axis or the hosts, or
+        the batch axis does not divide over the hosts (two hosts would feed one shard
+        from different data).
+    """
+    shards = mesh.dim_size(batch_axis) if batch_axis else 1
+    hosts = num_hosts or dtensor.num_clients()
+    if global_batch % hosts:
+        raise UserError(f"train.global_batch_size={global_batch} does not divide over the {hosts} hosts: "
+                        f"use a multiple of {hosts * shards // math.gcd(hosts, shards)}")
+    if global_batch % shards:
+        raise UserError(
+            f"train.global_batch_size={global_batch} does not divide over mesh axis "
+            f"{batch_axis!r} of size {shards}: use a multiple of {shards}"
+        )
+    if hosts > 1 and shards % hosts:
+        raise UserError(f"mesh axis {batch_axis or 'data'!r} of size {shards} does not divide over the {hosts} "
+                        f"hosts, so hosts would feed the same batch shard from different files: make it a multiple "
+                        f"of {hosts} (e.g. --mesh=data:-1 with the model axis within a host)")
+    return global_batch // shards * len(local_shards(mesh, batch_axis))
+
+
+@dataclasses.dataclass(frozen=True)
+class Placement:
+    """Where a run's weights, optimizer state, activations and batches live.
+
+    Attributes:
+      mesh: the global mesh.
+      table: logical axis -> mesh axis (rules.rules_table).
+      update_axis: mesh axis the optimizer state and update are sharded over (None: laid
+        out like each weight).
+      gather_axis: mesh axis whose weight shards are gathered where a layer uses them
+        (the `2d` preset; None: weights are used as stored).
+    """
+
+    mesh: dtensor.Mesh
+    table: Mapping[str, str | None]
+    update_axis: str | None = None
+    gather_axis: str | None = None
+
+    @classmethod
+    def from_config(cls, config: ShardingConfig, default_preset: str, mesh: dtensor.Mesh, check: bool = True
+                    ) -> Placement:
+        """The placement `sharding.*` asks for on `mesh`; a mesh axis nothing uses is an error (`check`)."""
+        placement = cls(mesh, config.table(default_preset), config.optimizer_axis(default_preset),
+                        config.gather_axis(default_preset))
+        if check:
+            check_mesh_axes(mesh, placement.table, (placement.update_axis, placement.gather_axis),
+                            preset=config.preset or default_preset,
+                            fix="map a logical axis to it with sharding.rules (e.g. {'mlp': '<axis>'})")
+        return placement
+
+    def activations(self) -> contextlib.AbstractContextManager:
+        """The context in which models' activation annotations relayout on this mesh."""
+        return activation_sharding(self.mesh, self.table)
+
+    # -- the data layout ------------------------------------------------------
+
+    def batch_axis(self, feature_axes: Sequence[str | None] = ("batch",)) -> str | None:
+        """The mesh axis a feature's batch dimension (its first logical axis) is split over."""
+        return batch_mesh_axis(feature_axes, self.table, self.mesh)
+
+    def host_rows(self, global_batch: int, feature_axes: Sequence[str | None] = ("batch",)) -> int:
+        """Rows of the global batch this host feeds (see the module function `host_rows`)."""
+        return host_rows(global_batch, self.mesh, self.batch_axis(feature_axes))
+
+    def host_row_indices(self, global_batch: int, feature_axes: Sequence[str | None] = ("batch",)) -> np.ndarray:
+        """Which rows of the global batch this host feeds, in the order it feeds them."""
+        axis = self.batch_axis(feature_axes)
+        per_shard = global_batch // (self.mesh.dim_size(axis) if axis else 1)
+        return np.concatenate([np.arange(i * per_shard, (i + 1) * per_shard) for i in local_shards(self.mesh, axis)])
+
+    def to_global(self, host_batch: Mapping[str, np.ndarray | tf.Tensor],
+                  feature_axes: Mapping[str, Sequence[str | None]], leading_dims: int = 0) -> dict[str, tf.Tensor]:
+        """Packs this host's rows of every feature into global DTensors.
+
+        Args:
+          host_batch: {feature: array [*leading, host_rows, ...]}.
+          feature_axes: {feature: logical axes of [batch, ...]}; the first is the batch axis.
+          leading_dims: unsharded dimensions before the batch one (e.g. steps of a loop).
+
+        Returns:
+          {feature: DTensor with the batch dimension sharded as the rules say}.
+        """
+        out = {}
+        devices = self.mesh.local_device_locations()
+        for name, value in host_batch.items():
+            axes = tuple(feature_axes[name])
+            batch_axis = self.batch_axis(axes)
+            layout = layout_for((None,) * leading_dims + axes, self.table, self.mesh)
+            shards = local_shards(self.mesh, batch_axis)
+            value = tf.convert_to_tensor(value)
+            rows = value.shape[leading_dims]
+            if rows % len(shards):
+                raise UserError(f"feature {name!r}: {rows} host rows do not split over {len(shards)} local batch shards")
+            per = rows // len(shards)
+            pieces = {}
+            components = []
+            for loc in devices:
+                index = shards.index(loc[batch_axis]) if batch_axis else 0
+                if index not in pieces:
+                    begin = [0] * value.shape.rank
+                    begin[leading_dims] = index * per
+                    size = [-1] * value.shape.rank
+                    size[leading_dims] = per
+                    pieces[index] = tf.slice(value, begin, size)
+                components.append(_shard_other_dims(pieces[index], layout, loc, leading_dims))
+            out[name] = dtensor.pack(components, layout)
+        return out
+
+    def to_host(self, value: tf.Tensor, feature_axes: Sequence[str | None] = ("batch",)) -> np.ndarray:
+        """This host's rows of a DTensor split over the batch only, in the order the host fed them
+        (`to_global`'s inverse)."""
+        axis = self.batch_axis(feature_axes)
+        pieces = {}
+        for loc, component in zip(self.mesh.local_device_locations(), dtensor.unpack(value)):
+            pieces.setdefault(loc[axis] if axis else 0, component.numpy())
+        return np.concatenate([pieces[s] for s in local_shards(self.mesh, axis)])
+
+
+def _shard_other_dims(piece: tf.Tensor, layout: dtensor.Layout, loc: Mapping[str, int], leading_dims: int) -> tf.Tensor:
+    """Slices non-batch dimensions a rule shards too (e.g. length under sequence parallelism)."""
+    for dim, spec in enumerate(layout.sharding_specs):
+        if dim == leading_dims or spec == dtensor.UNSHARDED:
+            continue
+        n = layout.mesh.dim_size(spec)
+        size = piece.shape[dim] // n
+        begin = [0] * piece.shape.rank
+        begin[dim] = loc[spec] * size
+        extent = [-1] * piece.shape.rank
+        extent[dim] = size
+        piece = tf.slice(piece, begin, extent)
+    return piece

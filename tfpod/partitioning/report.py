@@ -1,0 +1,68 @@
+"""The layout report: every variable's global shape, layout and bytes per device, and totals."""
+
+from __future__ import annotations
+
+import math
+from typing import Iterable, Mapping, Sequence
+
+import tensorflow as tf
+from tensorflow.experimental import dtensor
+
+from tfpod.partitioning.rules import VarSpec, shape_text
+
+# Layout report
+
+
+def bytes_per_device(shape: Sequence[int], dtype: tf.DType, layout: dtensor.Layout) -> int:
+    """Bytes one device holds of a tensor with this global shape and layout."""
+    local = [
+        d if spec == dtensor.UNSHARDED else d // layout.mesh.dim_size(spec)
+        for d, spec in zip(shape, layout.sharding_specs)
+    ]
+    return math.prod(local) * tf.as_dtype(dtype).size
+
+
+def _human(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+def layout_report(
+    specs: Iterable[VarSpec],
+    layouts: Mapping[str, dtensor.Layout],
+    title: str = "variables",
+) -> str:
+    """A table: variable, global shape, layout, bytes per device; then totals."""
+    specs = list(specs)
+    rows = []
+    total_params = total_bytes = device_bytes = 0
+    for s in specs:
+        layout = layouts[s.name]
+        per_dev = bytes_per_device(s.shape, s.dtype, layout)
+        n = math.prod(s.shape)
+        total_params += n
+        total_bytes += n * s.dtype.size
+        device_bytes += per_dev
+        rows.append((s.name, shape_text(s.shape), "[" + ", ".join(layout.sharding_specs) + "]", _human(per_dev)))
+    header = ("variable", "global shape", "layout", "bytes/device")
+    widths = [max(len(r[i]) for r in rows + [header]) for i in range(4)]
+    mesh = next(iter(layouts.values())).mesh if layouts else None
+    lines = [
+        f"# {title}"
+        + (f" on mesh {','.join(f'{n}:{mesh.dim_size(n)}' for n in mesh.dim_names)}" if mesh else ""),
+        "  ".join(h.ljust(w) for h, w in zip(header, widths)),
+    ]
+    lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths)) for r in rows]
+    lines.append(
+        f"# total: {len(specs)} variables, {total_params:,} parameters, {_human(total_bytes)}; "
+        f"per device: {_human(device_bytes)}"
+    )
+    for axis in (mesh.dim_names if mesh else []):
+        split = [s for s in specs if axis in layouts[s.name].sharding_specs]
+        if split:
+            names = ", ".join(s.name for s in split[:6]) + (f", ... ({len(split) - 6} more)" if len(split) > 6 else "")
+            lines.append(f"# split over {axis!r}: {len(split)} of {len(specs)} variables: {names}")
+    return "\n".join(lines) + "\n"

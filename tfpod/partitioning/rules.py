@@ -1,0 +1,247 @@
+"""Partitioning rules as data: logical axes, presets, variable-path rules, validation.
+
+Models name the dimensions of their variables with *logical axes*; variable-path rules
+(regex over the variable name) give logical axes to variables of layers we do not
+write; one *rules table* maps each logical axis to a mesh axis (or to nothing:
+replicated). `resolve` checks every variable against the rules before anything is
+allocated and returns its layout. See tfpod.partitioning for the presets.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from typing import Iterable, Mapping, Sequence
+
+import tensorflow as tf
+from tensorflow.experimental import dtensor
+
+from tfpod import UserError
+
+LOGICAL_AXES = ("batch", "length", "sequence", "embed", "heads", "kv", "mlp", "vocab", "expert")
+
+AxisNames = tuple  # tuple[str | None, ...]: one logical axis (or None) per dimension
+
+_MEGATRON = {"heads": "model", "mlp": "model", "vocab": "model", "expert": "expert"}
+PRESETS: dict[str, dict[str, str | None]] = {
+    "data": {"batch": "data"},
+    "tensor": {"batch": "data", **_MEGATRON},
+    "2d": {"batch": "data", **_MEGATRON, "embed": "data"},
+    "weight_update": {"batch": "data", **_MEGATRON},
+}
+# The mesh axis a preset shards the optimizer state and update over (default: none,
+# the state is laid out like its weight).
+UPDATE_AXIS: dict[str, str] = {"weight_update": "data"}
+# The mesh axis whose weight shards a preset gathers where a layer uses the weight
+# (default: none, weights are used in their stored layout).
+GATHER_AXIS: dict[str, str] = {"2d": "data"}
+
+
+@dataclasses.dataclass(frozen=True)
+class AxisRule:
+    """Variables whose name matches `pattern` (re.fullmatch) have these logical axes."""
+
+    pattern: str
+    axes: AxisNames
+
+    def __post_init__(self):
+        try:
+            re.compile(self.pattern)
+        except re.error as e:
+            raise UserError(f"sharding rule {self.pattern!r}: not a valid regex ({e})") from None
+        for a in self.axes:
+            if a is not None and a not in LOGICAL_AXES:
+                raise UserError(
+                    f"sharding rule {self.pattern!r}: unknown logical axis {a!r}; "
+                    f"use one of {', '.join(LOGICAL_AXES)} or None"
+                )
+
+    def matches(self, name: str) -> bool:
+        return re.fullmatch(self.pattern, name) is not None
+
+
+@dataclasses.dataclass(frozen=True)
+class VarSpec:
+    """A variable before allocation: its name (no ':0'), global shape and dtype."""
+
+    name: str
+    shape: tuple
+    dtype: tf.DType = tf.float32
+
+
+def rules_table(preset: str, overrides: Mapping[str, str | None] | None = None) -> dict[str, str | None]:
+    """The logical->mesh axis table of a preset, with user overrides applied.
+
+    Args:
+      preset: a key of PRESETS.
+      overrides: {logical_axis: mesh_axis or None} replacing the preset's entries.
+
+    Raises:
+      UserError: unknown preset or unknown logical axis.
+    """
+    if preset not in PRESETS:
+        raise UserError(
+            f"sharding.preset={preset!r} is not a preset: use one of {', '.join(sorted(PRESETS))}"
+        )
+    table = {a: None for a in LOGICAL_AXES}
+    table.update(PRESETS[preset])
+    for logical, mesh_axis in (overrides or {}).items():
+        if logical not in LOGICAL_AXES:
+            raise UserError(
+                f"sharding.rules: unknown logical axis {logical!r}; use one of {', '.join(LOGICAL_AXES)}"
+            )
+        table[logical] = mesh_axis
+    return table
+
+
+def check_mesh_axes(mesh: dtensor.Mesh, table: Mapping[str, str | None], also_used: Iterable[str | None] = (),
+                    preset: str = "", fix: str = "") -> None:
+    """Raises one UserError for a mesh axis of more than one device that nothing maps to.
+
+    The devices along such an axis would each repeat the same work on the same data
+    with the same replicated weights (a typo like `modle:2` did that silently).
+
+    Args:
+      mesh: the mesh.
+      table: logical axis -> mesh axis.
+      also_used: other mesh axes in use (the update axis, the gather axis).
+      preset: the preset's name, for the message.
+      fix: how a rule maps something to the axis, for the message.
+    """
+    used = {a for a in table.values() if a} | {a for a in also_used if a}
+    for axis in mesh.dim_names:
+        if mesh.dim_size(axis) > 1 and axis not in used:
+            names = ", ".join(repr(a) for a in sorted(used)) or "none"
+            rules = f"preset {preset!r}" if preset else "the sharding rules"
+            raise UserError(
+                f"mesh axis {axis!r} (size {mesh.dim_size(axis)}) is used by no rule of {rules} (its mesh axes: "
+                f"{names}): the devices along it would only repeat each other's work; rename the axis to one of "
+                f"those, or {fix or 'map a logical axis to it'}"
+            )
+
+
+def layout_for(axes: Sequence[str | None], table: Mapping[str, str | None], mesh: dtensor.Mesh) -> dtensor.Layout:
+    """The DTensor layout of a tensor whose dimensions have these logical axes.
+
+    A logical axis mapped to a mesh axis the mesh lacks is replicated; a mesh axis
+    already used by an earlier dimension of the same tensor is not used again.
+    """
+    used = set()
+    specs = []
+    for a in axes:
+        mesh_axis = table.get(a) if a is not None else None
+        if mesh_axis is not None and mesh_axis in mesh.dim_names and mesh_axis not in used:
+            used.add(mesh_axis)
+            specs.append(mesh_axis)
+        else:
+            specs.append(dtensor.UNSHARDED)
+    return dtensor.Layout(specs, mesh)
+
+
+def shape_text(shape) -> str:
+    return "(" + ", ".join(str(d) for d in shape) + ")"
+
+
+def resolve(
+    specs: Iterable[VarSpec],
+    axis_rules: Sequence[AxisRule],
+    table: Mapping[str, str | None],
+    mesh: dtensor.Mesh,
+) -> dict[str, dtensor.Layout]:
+    """Validates every variable against the rules and returns its layout.
+
+    Args:
+      specs: the model's variables (name, global shape).
+      axis_rules: variable-path rules giving logical axes.
+      table: logical axis -> mesh axis (see rules_table).
+      mesh: the mesh the layouts live on.
+
+    Returns:
+      {variable name: Layout}.
+
+    Raises:
+      UserError: two variables with one name, a variable matched by two rules or by
+        none, a rule that matches nothing, a rank mismatch, or a dimension not divisible
+        by the size of its mesh axis.
+    """
+    specs = list(specs)
+    seen = set()
+    for s in specs:
+        if s.name in seen:
+            raise UserError(
+                f"two variables are named {s.name!r}: give the layers distinct names so rules can tell them apart"
+            )
+        seen.add(s.name)
+    used_rules = set()
+    layouts = {}
+    for s in specs:
+        hits = [r for r in axis_rules if r.matches(s.name)]
+        if len(hits) > 1:
+            raise UserError(
+                f"variable {s.name} {shape_text(s.shape)} is matched by two sharding rules, "
+                f"{hits[0].pattern!r} and {hits[1].pattern!r}: narrow one so each variable has one rule"
+            )
+        if not hits:
+            raise UserError(
+                f"variable {s.name} {shape_text(s.shape)} matches no sharding rule: add a rule "
+                f"(regex, logical axes) for it, e.g. ({re.escape(s.name)!r}, {(None,) * len(s.shape)!r})"
+            )
+        rule = hits[0]
+        used_rules.add(rule)
+        if len(rule.axes) != len(s.shape):
+            raise UserError(
+                f"variable {s.name} {shape_text(s.shape)} has rank {len(s.shape)} but rule "
+                f"{rule.pattern!r} gives {len(rule.axes)} logical axes {rule.axes}: give one axis per dimension"
+            )
+        layout = layout_for(rule.axes, table, mesh)
+        for dim, (size, mesh_axis) in enumerate(zip(s.shape, layout.sharding_specs)):
+            if mesh_axis != dtensor.UNSHARDED and size % mesh.dim_size(mesh_axis):
+                raise UserError(
+                    f"variable {s.name} {shape_text(s.shape)}: dimension {dim} ({rule.axes[dim]}, size {size}) "
+                    f"does not divide over mesh axis {mesh_axis!r} of size {mesh.dim_size(mesh_axis)} "
+                    f"(rule {rule.pattern!r}): change the model size, the mesh, or map "
+                    f"{rule.axes[dim]!r} to no mesh axis in sharding.rules"
+                )
+        layouts[s.name] = layout
+    unused = [r for r in axis_rules if r not in used_rules]
+    if unused:
+        raise UserError(
+            f"sharding rule {unused[0].pattern!r} {unused[0].axes} matches no variable: fix its "
+            "regex (it must match a whole variable name, see layouts.txt) or remove it"
+        )
+    return layouts
+
+
+@dataclasses.dataclass
+class ShardingConfig:
+    """Attributes map 1:1 to gin `sharding.<name>`.
+
+    Attributes:
+      preset: a key of PRESETS (None: the experiment's default).
+      rules: {logical axis: mesh axis or None} overriding the preset's table.
+      sequence_parallel: split the residual stream between blocks over `model` along
+        the sequence (Megatron sequence parallelism).
+      update_axis: mesh axis to shard the optimizer state and update over (None: the
+        preset's, see UPDATE_AXIS; "" for none).
+    """
+
+    preset: str | None = None
+    rules: Mapping[str, str | None] | None = None
+    sequence_parallel: bool = False
+    update_axis: str | None = None
+
+    def table(self, default_preset: str) -> dict[str, str | None]:
+        overrides = dict(self.rules or {})
+        if self.sequence_parallel:
+            overrides.setdefault("sequence", "model")
+        return rules_table(self.preset or default_preset, overrides)
+
+    def optimizer_axis(self, default_preset: str) -> str | None:
+        """The mesh axis the optimizer state and update are sharded over, if any."""
+        if self.update_axis is not None:
+            return self.update_axis or None
+        return UPDATE_AXIS.get(self.preset or default_preset)
+
+    def gather_axis(self, default_preset: str) -> str | None:
+        """The mesh axis whose weight shards are gathered where a layer uses them, if any."""
+        return GATHER_AXIS.get(self.preset or default_preset)

@@ -1,0 +1,153 @@
+"""The Task contract: everything tfpod needs of a model to train, evaluate and serve it.
+
+A task is a subclass of `Task` (one instance per model, registered in
+tfpod.models.TASKS). Its class attributes name its configs and partitioning; its
+methods build the model, describe and make its batches, compute its loss, read its
+input and export it. The trainer, the evaluation, export and main.py call tasks only
+through these methods.
+
+To add a model: write models/<name>.py with the model (a tf_keras.Model whose
+variables match `axis_rules`), its config dataclass, and a Task subclass; add its
+instance to tfpod.models.TASKS; add gin/model/<name>.gin and gin/<name>_tiny.gin.
+`tests/test_sharding.py` then checks its rules on every preset.
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+from typing import Any, Callable, ClassVar, Mapping, Sequence
+
+import numpy as np
+import tensorflow as tf
+
+from tfpod import evaluation
+from tfpod.input.common import ShardInfo, TaskInput
+from tfpod.partitioning import AxisRule, Placement
+
+
+class Task(abc.ABC):
+    """What a model gives tfpod.
+
+    Class attributes:
+      name: the model's name: `experiment.model`, and its config's gin name (`<name>.*`).
+      config_class: the model's config dataclass.
+      data_name: the gin name of its data config (tasks may share one: gpt, moe `lm_data`).
+      data_config_class: the data config dataclass.
+      default_preset: the sharding preset when `sharding.preset` is unset.
+      axis_rules: variable-path rules giving every variable its logical axes.
+      eval_metric: the on-device eval metric (tfpod.evaluation.Metric).
+    """
+
+    name: ClassVar[str]
+    config_class: ClassVar[type]
+    data_name: ClassVar[str]
+    data_config_class: ClassVar[type]
+    default_preset: ClassVar[str]
+    axis_rules: ClassVar[tuple[AxisRule, ...]]
+    eval_metric: ClassVar[evaluation.Metric]
+
+    # -- the model ------------------------------------------------------------
+
+    @abc.abstractmethod
+    def build(self, config) -> tf.keras.Model:
+        """The (unbuilt) tf_keras model: called under a lazy-variable scope, then placed."""
+
+    @abc.abstractmethod
+    def input_signature(self, config) -> Mapping[str, tf.TensorSpec]:
+        """The model's inputs (batch dimension None), to build it without data."""
+
+    @abc.abstractmethod
+    def flops_per_token(self, config) -> float:
+        """Model FLOPs per trained token (per example when `tokens_per_example` is None)."""
+
+    def tokens_per_example(self, config) -> int | None:
+        """Tokens per example, for tokens/s and MFU (None: the task counts examples)."""
+        return None
+
+    # -- batches --------------------------------------------------------------
+
+    @abc.abstractmethod
+    def batch_axes(self) -> Mapping[str, tuple]:
+        """Logical axes of every batch feature; the first axis is the batch."""
+
+    @abc.abstractmethod
+    def model_inputs(self, batch: Mapping[str, tf.Tensor]):
+        """The part of a batch the model is called on."""
+
+    @abc.abstractmethod
+    def synthetic_batch(self, config, rows: int, rng: np.random.Generator) -> dict[str, np.ndarray]:
+        """A random batch of the task's shapes (train.synthetic_data=True)."""
+
+    @abc.abstractmethod
+    def make_input(self, data_config, model_config, shard: ShardInfo, seed: int) -> TaskInput:
+        """This host's input: its training and eval datasets (prepares demo data on first use)."""
+
+    # -- training and evaluation ----------------------------------------------
+
+    @abc.abstractmethod
+    def loss_and_metrics(self, model, batch: Mapping[str, tf.Tensor], training: bool) -> tuple[tf.Tensor, dict]:
+        """(scalar float32 loss, {name: scalar}) of one global batch, inside the compiled step."""
+
+    def host_eval_metrics(self, context: "EvalContext", host_batches: Sequence[Mapping[str, np.ndarray]]) -> dict:
+        """Metrics computed on the hosts after the on-device ones (the Transformer's BLEU). Default: none."""
+        del context, host_batches
+        return {}
+
+    # -- serving --------------------------------------------------------------
+
+    @abc.abstractmethod
+    def serving(self, model, config, data_config) -> tuple[tf.Module, dict]:
+        """(module holding the single-device model, {signature name: concrete function})."""
+
+
+@dataclasses.dataclass(frozen=True)
+class EvalContext:
+    """What a task's `host_eval_metrics` may use: the trained model on the mesh, and this host's place.
+
+    Attributes:
+      model: the model (its variables on the mesh).
+      model_config: the task's model config.
+      placement: the mesh, rules and data layout.
+      host_rows: rows of a full host batch.
+      host_id, num_hosts: this host's place.
+    """
+
+    model: Any
+    model_config: Any
+    placement: Placement
+    host_rows: int
+    host_id: int
+    num_hosts: int
+
+    @property
+    def is_chief(self) -> bool:
+        return self.host_id == 0
+
+    def run_padded(self, step: Callable[[dict], tf.Tensor], host_batches: Sequence[Mapping[str, np.ndarray]],
+                   feature_axes: Mapping[str, Sequence[str | None]], padding: Mapping[str, np.ndarray] | None = None
+                   ) -> list[np.ndarray]:
+        """`step` over this host's batches on the mesh, every host the same number of calls.
+
+        Each batch is padded to host_rows rows; a host with fewer batches runs padding
+        batches (`padding`, default zeros). Returns this host's rows of each real batch's
+        output (the output's first dimension split like the batch), padding rows removed.
+        """
+        sizes = [len(next(iter(b.values()))) for b in host_batches]
+        outputs = evaluation.run_padded(lambda b: self.placement.to_host(step(b)), host_batches, self.host_rows,
+                                        lambda b: self.placement.to_global(b, feature_axes), self.placement.mesh,
+                                        padding)
+        return [out[:n] for out, n in zip(outputs, sizes)]  # the real batches' rows; padding calls dropped
+
+    def host_sum(self, values) -> np.ndarray:
+        """The sum over every host of a per-host vector (a collective: every host must call it)."""
+        return evaluation.host_sum(values, self.placement.mesh)
+
+
+def check_task(task: Task) -> None:
+    """Raises TypeError when a registered task lacks a class attribute of the contract."""
+    for attr in ("name", "config_class", "data_name", "data_config_class", "default_preset", "axis_rules",
+                 "eval_metric"):
+        if not hasattr(type(task), attr):
+            raise TypeError(f"task {type(task).__name__} does not set Task.{attr}")
+
