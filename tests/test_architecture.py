@@ -1,0 +1,75 @@
+"""The seams a contributor builds on: the Task contract, the run API's modes, the config
+registry, the compatibility module's version check, and the precision policy restored."""
+
+import dataclasses
+
+import pytest
+import tf_keras
+
+from tfpod import UserError, api, compat, config
+from tfpod.models import TASKS, get_task
+from tfpod.task import Task, check_task
+
+pytestmark = pytest.mark.unit  # no subprocess, no multi-device training
+
+
+def test_every_model_implements_the_task_contract():
+    assert set(TASKS) == {"gpt", "moe", "bert", "resnet", "transformer"}
+    for name, task in TASKS.items():
+        assert isinstance(task, Task) and task.name == name
+        assert not getattr(type(task), "__abstractmethods__", None), (name, type(task).__abstractmethods__)
+        assert dataclasses.is_dataclass(task.config_class) and dataclasses.is_dataclass(task.data_config_class)
+        assert task.axis_rules and task.default_preset
+    assert isinstance(TASKS["moe"], type(TASKS["gpt"]))  # MoE reuses GPT by subclassing
+    with pytest.raises(UserError, match=r"experiment.model='gtp' is not a model: use one of bert, gpt, moe"):
+        get_task("gtp")
+
+
+def test_a_task_missing_part_of_the_contract_is_refused():
+    class Half(Task):  # a config and methods, but no rules
+        name, config_class, data_name, data_config_class = "half", object, "half_data", object
+        default_preset, eval_metric = "data", None
+
+    with pytest.raises(TypeError, match="abstract"):
+        Half()
+    Half.__abstractmethods__ = frozenset()
+    with pytest.raises(TypeError, match=r"task Half does not set Task.axis_rules"):
+        check_task(Half())
+
+
+def test_every_task_is_configurable_under_its_gin_names():
+    config.parse_config(["gin/lm_tiny.gin"], ["train.steps=3"])
+    for task in TASKS.values():
+        assert isinstance(config.build_config(task.name), task.config_class)
+        assert isinstance(config.build_config(task.data_name), task.data_config_class)
+    assert config.build_config("train").steps == 3
+
+
+def test_main_modes_are_the_run_apis():
+    from tfpod import main
+
+    assert set(api.MODES) == {"train", "eval", "train_and_eval", "export"}
+    assert set(main.FLAGS["mode"].parser.enum_values) == set(api.MODES)
+    with pytest.raises(UserError, match="--mode='serve'"):
+        api.run(["gin/lm_tiny.gin"], [], "/nonexistent/run", mode="serve")
+
+
+def test_other_library_versions_stop_with_one_line():
+    compat.check_versions()  # the installed ones are the tested ones
+    with pytest.raises(UserError) as e:
+        compat.check_versions({"tf-keras": "2.21.0"})
+    assert str(e.value).startswith("tf-keras 2.21.0 is installed, but tfpod is written against tf-keras 2.20.x")
+    assert "pip install 'tf-keras==2.20.*'" in str(e.value) and "\n" not in str(e.value)
+    compat.check_versions({"tensorflow": "2.20.3"})  # a patch release is the same minor version
+
+
+def test_the_precision_policy_is_restored_not_reset():
+    from tfpod.trainer import precision_policy
+
+    tf_keras.mixed_precision.set_global_policy("mixed_float16")
+    try:
+        with precision_policy("mixed_bfloat16"):
+            assert tf_keras.mixed_precision.global_policy().name == "mixed_bfloat16"
+        assert tf_keras.mixed_precision.global_policy().name == "mixed_float16"
+    finally:
+        tf_keras.mixed_precision.set_global_policy("float32")
