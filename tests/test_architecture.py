@@ -10,7 +10,7 @@ from tfpod import UserError, api, compat, config
 from tfpod.models import TASKS, get_task
 from tfpod.task import Task, check_task
 
-pytestmark = pytest.mark.unit  # no subprocess, no multi-device training
+pytestmark = pytest.mark.unit  # no multi-device training
 
 
 def test_every_model_implements_the_task_contract():
@@ -73,3 +73,18 @@ def test_the_precision_policy_is_restored_not_reset():
         assert tf_keras.mixed_precision.global_policy().name == "mixed_float16"
     finally:
         tf_keras.mixed_precision.set_global_policy("float32")
+
+
+def test_a_log_level_tfpod_set_is_not_taken_for_the_users_by_its_children():
+    """A pytest worker or a launched host inherits the level tfpod set in its parent; it is
+    still tfpod's to choose (the console filter stays on), while a user's own level is kept."""
+    import os
+    import subprocess
+    import sys
+
+    probe = [sys.executable, "-c", "import tfpod; print(tfpod.USER_TF_LOG_LEVEL)"]
+    inherited = {**os.environ}
+    inherited.update(TF_CPP_MIN_LOG_LEVEL="2", TFPOD_SET_TF_CPP_MIN_LOG_LEVEL="2")
+    assert subprocess.run(probe, env=inherited, capture_output=True, text=True).stdout.strip() == "None"
+    users = {**inherited, "TF_CPP_MIN_LOG_LEVEL": "1"}
+    assert subprocess.run(probe, env=users, capture_output=True, text=True).stdout.strip() == "1"

@@ -10,8 +10,21 @@ import os as _os
 _os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")
 # TensorFlow's C++ log level: the user's when set (tfpod.console keeps it), else INFO and
 # WARNING hidden; the command line also hides ERROR-level start-up noise (tfpod.console).
+# A level tfpod set itself is marked, so that a process started from this one (a pytest
+# worker, a host of a local launch) does not take it for the user's.
+_TF_LOG_LEVEL_MARK = "TFPOD_SET_TF_CPP_MIN_LOG_LEVEL"
+
+
+def set_tf_log_level(level: str) -> None:
+    """TensorFlow's C++ log level, as tfpod's choice (not the user's); read when TensorFlow loads."""
+    _os.environ["TF_CPP_MIN_LOG_LEVEL"] = _os.environ[_TF_LOG_LEVEL_MARK] = level
+
+
 USER_TF_LOG_LEVEL = _os.environ.get("TF_CPP_MIN_LOG_LEVEL")
-_os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+if USER_TF_LOG_LEVEL is not None and _os.environ.get(_TF_LOG_LEVEL_MARK) == USER_TF_LOG_LEVEL:
+    USER_TF_LOG_LEVEL = None  # set by the tfpod process that started this one
+if USER_TF_LOG_LEVEL is None:
+    set_tf_log_level("2")
 
 # Installed, `input/` and `models/` are the subpackages tfpod.input and tfpod.models
 # (setup.py package_dir). In a source checkout they sit beside tfpod/, so the

@@ -31,9 +31,9 @@ def setup(verbose: bool = False) -> None:
         absl_logging.set_verbosity(absl_logging.WARNING)
         logging.getLogger("tensorflow").setLevel(logging.WARNING)
         if tfpod.USER_TF_LOG_LEVEL is None:
-            os.environ["TF_CPP_MIN_LOG_LEVEL"] = "3"  # read when TensorFlow's C++ library loads, after this
+            tfpod.set_tf_log_level("3")  # read when TensorFlow's C++ library loads, after this
     elif tfpod.USER_TF_LOG_LEVEL is None:
-        os.environ["TF_CPP_MIN_LOG_LEVEL"] = "0"
+        tfpod.set_tf_log_level("0")
     logger = logging.getLogger("tfpod")
     if not logger.handlers:
         handler = logging.StreamHandler(sys.stderr)
@@ -49,6 +49,7 @@ def child_env(env: dict | None = None) -> dict:
     env = dict(os.environ if env is None else env)
     if tfpod.USER_TF_LOG_LEVEL is None:
         env.pop("TF_CPP_MIN_LOG_LEVEL", None)
+        env.pop(tfpod._TF_LOG_LEVEL_MARK, None)
     return env
 
 
