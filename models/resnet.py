@@ -13,11 +13,11 @@ DVariables laid out by AXIS_RULES like the other weights.
 Sharding: the `data` preset (the default) replicates every weight and splits the batch.
 DTensor's convolution expander requires fully replicated filters, so convolutions
 cannot be channel-parallel; `tensor` keeps them replicated and splits the output layer
-over classes (`vocab` -> `model`). Spatial partitioning of the activations over
-`model` (the MLPerf TPU-pod technique for large images) is refused with a UserError:
-with the image height split over `model`, DTensor's SPMD expansion of the backbone
-failed here ("input and output layout do not agree on non-axis dim 2" at 64x64; at
-32x32 the last stage's 1-pixel height cannot split at all).
+over classes (`vocab` -> `model`). `spatial` splits each image's rows over `model`
+(the MLPerf TPU-pod technique for large images): every convolution and pooling runs on
+row blocks with tfpod's own halo exchange (tfpod.partitioning.spatial), batch norm
+stays synchronized over the whole global batch, and the last stages, whose height no
+longer divides into the row blocks, run with whole rows.
 
 Batch contract (tfpod.input.images produces it):
   images   float32 [batch, image_size, image_size, 3]  normalized RGB
@@ -36,10 +36,10 @@ from official.vision.modeling.backbones import resnet as mg_resnet
 
 from tfpod import UserError, evaluation, fused
 from tfpod.input import images as images_lib
-from tfpod.partitioning import AxisRule, active_context, shard
+from tfpod.partitioning import AxisRule, shard, spatial
 from tfpod.task import Task
 
-IMAGE_AXES = ("batch", None, None, None)  # [batch, height, width, channels]
+IMAGE_AXES = ("batch", "height", None, None)  # [batch, height, width, channels]
 
 
 @dataclasses.dataclass
@@ -117,6 +117,7 @@ class ResNetClassifier(tf_keras.Model):
         # through fused.batch_norm (reductions DTensor all-reduces over the batch-sharded
         # mesh axis, and a hand-written gradient).
         fused.use_batch_norm(self.backbone)
+        spatial.use_spatial_layers(self.backbone)  # convolutions and pooling split image rows (`spatial` preset)
         self.pool = tf_keras.layers.GlobalAveragePooling2D(name="pool")
         self.logits = tf_keras.layers.Dense(
             config.num_classes, kernel_initializer=tf_keras.initializers.RandomNormal(stddev=config.init_stddev),
@@ -125,29 +126,13 @@ class ResNetClassifier(tf_keras.Model):
 
     def call(self, inputs, training=None):
         images = inputs["images"] if isinstance(inputs, dict) else inputs
-        check_no_spatial_partitioning()
-        x = shard(images, IMAGE_AXES)  # [batch, H, W, 3]
+        x = shard(shard(images, ("batch", None, None, None)), IMAGE_AXES)  # [batch, H, W, 3]: as fed, then rows split
         levels = self.backbone(x, training=training)  # {"2".."5": [batch, H / 2^l, W / 2^l, channels]}
         x = levels[max(levels, key=int)]  # the last stage, [batch, H / 32, W / 32, channels]
         x = self.pool(x)  # [batch, channels]
         x = shard(x, ("batch", "embed"))
         logits = shard(self.logits(x), ("batch", "vocab"))  # [batch, classes], class-parallel under `tensor`
         return tf.cast(logits, tf.float32)
-
-
-def check_no_spatial_partitioning() -> None:
-    """Spatial partitioning maps an image's height (logical axis `sequence`) to a mesh
-    axis; DTensor could not expand the backbone that way (see the module docstring)."""
-    active = active_context()
-    if active is None:
-        return
-    mesh, table = active
-    if table.get("sequence") in mesh.dim_names:
-        raise UserError(
-            f"resnet: spatial partitioning (image rows over mesh axis {table['sequence']!r}, from "
-            "sharding.sequence_parallel or sharding.rules['sequence']) is not supported: DTensor cannot expand the "
-            "ResNet backbone with split image rows; unset it and use the data or tensor preset"
-        )
 
 
 def input_signature(config: ResNetConfig) -> dict:
@@ -291,6 +276,7 @@ class ResNetTask(Task):
     default_preset = "data"
     axis_rules = AXIS_RULES
     eval_metric = evaluation.CLASSIFICATION
+    splits_image_rows = True
 
     build = staticmethod(ResNetClassifier)
     input_signature = staticmethod(input_signature)

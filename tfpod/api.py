@@ -99,20 +99,34 @@ def start(c: RunConfigs, options: RunOptions) -> Session:
     info = runtime.initialize(cpu_devices=options.cpu_devices, device_type=options.device_type)
     mesh = meshlib.make_mesh(options.mesh_spec or c.experiment.mesh)
     placement = partitioning.Placement.from_config(c.sharding, c.task.default_preset, mesh)
+    _check_image_rows(c.task, placement)
     task_input = None
     if not c.train.synthetic_data:
         task_input = c.task.make_input(c.data, c.model, ShardInfo(info.client_id, info.num_clients), c.train.seed)
     return Session(info, placement, task_input)
 
 
-def controller(task, model_config, train_config, optimizer_config, placement, model_dir: str):
-    """A Trainer (the model and optimizer on the mesh, the compiled steps) and its Controller."""
+def _check_image_rows(task, placement) -> None:
+    """Image rows split over a mesh axis (the `spatial` preset) only for a task whose layers split them."""
+    axis = placement.table.get("height")
+    if axis in placement.mesh.dim_names and placement.mesh.dim_size(axis) > 1 and not task.splits_image_rows:
+        from tfpod.models import TASKS
+
+        able = ", ".join(sorted(name for name, t in TASKS.items() if t.splits_image_rows))
+        raise UserError(f"sharding: image rows (logical axis 'height') over mesh axis {axis!r}, from the spatial "
+                        f"preset or sharding.rules, but model {task.name!r} has no image rows to split: spatial "
+                        f"partitioning is for {able}; use another preset (e.g. tensor or data)")
+
+
+def controller(task, model_config, train_config, optimizer_config, placement, model_dir: str, data_config=None):
+    """A Trainer (the model and optimizer on the mesh, the compiled steps) and its Controller
+    (`data_config`: the task's, for its host-side eval metrics)."""
     from tfpod.controller import Controller
     from tfpod.trainer import Trainer
 
     trainer = Trainer(task, model_config, optimizer_config, placement, total_steps=train_config.steps,
                       steps_per_loop=train_config.steps_per_loop, precision=train_config.precision,
-                      seed=train_config.seed)
+                      seed=train_config.seed, data_config=data_config)
     return Controller(trainer, train_config, model_dir)
 
 
@@ -135,7 +149,7 @@ def train(c: RunConfigs, model_dir: str, options: RunOptions, evaluating: bool =
     """
     check_writable(model_dir)
     session = start(c, options)
-    run = controller(c.task, c.model, c.train, c.optimizer, session.placement, model_dir)
+    run = controller(c.task, c.model, c.train, c.optimizer, session.placement, model_dir, c.data)
     run.restore()  # a checkpoint that does not fit stops the run here
     eval_batches = None
     if evaluating:
@@ -160,7 +174,7 @@ def evaluate(c: RunConfigs, model_dir: str, options: RunOptions) -> dict:
     if not os.path.isdir(os.path.join(model_dir, "checkpoints")):
         raise UserError(f"--mode=eval: no checkpoints in {model_dir}: train there first, or pass --model_dir of a "
                         "trained run")
-    run = controller(c.task, c.model, c.train, c.optimizer, session.placement, model_dir)
+    run = controller(c.task, c.model, c.train, c.optimizer, session.placement, model_dir, c.data)
     step = run.checkpoints.restore(options.checkpoint) if options.checkpoint else run.checkpoints.restore_latest()
     if step is None:
         raise UserError(f"--mode=eval: no complete checkpoint in {model_dir}/checkpoints to evaluate")

@@ -123,7 +123,7 @@ class Controller:
         self.host_rows = placement.host_rows(config.global_batch_size, batch_axes)
         tokens = task.tokens_per_example(trainer.model_config)
         log.info("%s", meshlib.describe(placement.mesh, config.global_batch_size, tokens,
-                                        placement.batch_axis(batch_axes) or "data"))
+                                        placement.batch_axis(batch_axes) or "data", placement.table.get("height")))
         summary = "\n".join(line for line in trainer.layout_report().splitlines() if line.startswith("#"))
         log.info("layouts (every variable: %s, written when training starts):\n%s",
                  os.path.join(model_dir, "layouts.txt"), summary)

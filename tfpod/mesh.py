@@ -102,8 +102,10 @@ def axis_size(mesh: dtensor.Mesh, name: str) -> int:
     return mesh.dim_size(name) if name in mesh.dim_names else 1
 
 
-def describe(mesh: dtensor.Mesh, global_batch: int, seq_len: int | None, batch_axis: str = "data") -> str:
-    """One start-up line: the mesh, global batch, per-device batch and tokens per step.
+def describe(mesh: dtensor.Mesh, global_batch: int, seq_len: int | None, batch_axis: str = "data",
+             rows_axis: str | None = None) -> str:
+    """One start-up line: the mesh, global batch, per-device batch and tokens per step
+    (and how image rows split, when `rows_axis` splits them: the `spatial` preset).
 
     Raises:
       UserError: the global batch does not divide over the batch axis.
@@ -120,6 +122,8 @@ def describe(mesh: dtensor.Mesh, global_batch: int, seq_len: int | None, batch_a
         f"{mesh.device_type()} devices); global batch {global_batch}; per-device batch "
         f"{global_batch // shards} (batch split {shards} ways over {batch_axis!r})"
     )
+    if rows_axis and axis_size(mesh, rows_axis) > 1:
+        text += f"; image rows split {axis_size(mesh, rows_axis)} ways over {rows_axis!r}"
     if seq_len:
         text += f"; tokens per step {global_batch * seq_len}"
     return text

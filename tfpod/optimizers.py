@@ -28,7 +28,7 @@ from official.modeling.optimization import lamb, lars, legacy_adamw, lr_schedule
 from tfpod import UserError, compat, fused, partitioning
 
 OPTIMIZERS = ("adamw", "lamb", "lars", "sgd")
-DECAYS = ("cosine", "linear", "polynomial", "rsqrt", "constant")
+DECAYS = ("cosine", "linear", "polynomial", "rsqrt", "piecewise", "constant")
 
 
 @dataclasses.dataclass
@@ -41,10 +41,14 @@ class OptimizerConfig:
       warmup_steps: linear warmup from 0 (Model Garden LinearWarmup).
       decay: schedule after warmup: cosine, linear, polynomial, rsqrt (learning_rate *
         sqrt(warmup_steps / step), the Transformer's; ignores decay_steps and
-        end_learning_rate_ratio), or constant.
+        end_learning_rate_ratio), piecewise (steps: learning_rate times
+        piecewise_ratios[i] after step piecewise_boundaries[i], MLPerf SSD's x0.1 and
+        x0.01; ignores decay_steps and end_learning_rate_ratio), or constant.
       decay_steps: steps of the decay (None: the run's train.steps).
       end_learning_rate_ratio: final learning rate as a fraction of the peak.
       power: exponent of the polynomial decay.
+      piecewise_boundaries: piecewise: the (global, increasing) steps where the rate changes.
+      piecewise_ratios: piecewise: the rate after each boundary, as a fraction of learning_rate.
       weight_decay: decoupled weight decay (adamw, lamb, lars).
       beta_1, beta_2, epsilon: Adam/LAMB moments.
       momentum: lars/sgd momentum.
@@ -59,6 +63,8 @@ class OptimizerConfig:
     decay_steps: int | None = None
     end_learning_rate_ratio: float = 0.1
     power: float = 1.0
+    piecewise_boundaries: Sequence[int] = ()
+    piecewise_ratios: Sequence[float] = ()
     weight_decay: float = 0.01
     beta_1: float = 0.9
     beta_2: float = 0.95
@@ -76,6 +82,13 @@ class OptimizerConfig:
             raise UserError(f"optimizer.learning_rate={self.learning_rate} must be positive")
         if self.warmup_steps < 0:
             raise UserError(f"optimizer.warmup_steps={self.warmup_steps} must be >= 0")
+        bounds, ratios = list(self.piecewise_boundaries), list(self.piecewise_ratios)
+        if self.decay == "piecewise" and (not bounds or len(bounds) != len(ratios)
+                                          or any(b >= c for b, c in zip(bounds, bounds[1:]))
+                                          or bounds[0] <= self.warmup_steps):
+            raise UserError(f"optimizer.decay='piecewise' needs increasing optimizer.piecewise_boundaries (steps, after "
+                            f"warmup_steps={self.warmup_steps}) and one optimizer.piecewise_ratios entry per boundary; "
+                            f"got {tuple(bounds)} and {tuple(ratios)}")
 
 
 def learning_rate_schedule(cfg: OptimizerConfig, total_steps: int):
@@ -97,6 +110,10 @@ def learning_rate_schedule(cfg: OptimizerConfig, total_steps: int):
             power=1.0 if cfg.decay == "linear" else cfg.power,
             offset=cfg.warmup_steps,
         )
+    elif cfg.decay == "piecewise":  # the step passed is the global step (no offset)
+        schedule = lr_schedule.PiecewiseConstantDecayWithOffset(
+            boundaries=list(cfg.piecewise_boundaries),
+            values=[cfg.learning_rate] + [cfg.learning_rate * r for r in cfg.piecewise_ratios])
     elif cfg.decay == "rsqrt":  # Model Garden's power schedule with power -0.5, peak at the warmup's end
         schedule = lr_schedule.DirectPowerDecay(
             initial_learning_rate=cfg.learning_rate * max(cfg.warmup_steps, 1) ** 0.5, power=-0.5)

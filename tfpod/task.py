@@ -37,6 +37,8 @@ class Task(abc.ABC):
       default_preset: the sharding preset when `sharding.preset` is unset.
       axis_rules: variable-path rules giving every variable its logical axes.
       eval_metric: the on-device eval metric (tfpod.evaluation.Metric).
+      splits_image_rows: whether the model's convolutions split image rows over the mesh
+        axis of the logical axis `height` (the `spatial` preset; tfpod.partitioning.spatial).
     """
 
     name: ClassVar[str]
@@ -46,6 +48,7 @@ class Task(abc.ABC):
     default_preset: ClassVar[str]
     axis_rules: ClassVar[tuple[AxisRule, ...]]
     eval_metric: ClassVar[evaluation.Metric]
+    splits_image_rows: ClassVar[bool] = False
 
     # -- the model ------------------------------------------------------------
 
@@ -111,6 +114,7 @@ class EvalContext:
       placement: the mesh, rules and data layout.
       host_rows: rows of a full host batch.
       host_id, num_hosts: this host's place.
+      data_config: the task's data config (None when the caller has none, e.g. a benchmark).
     """
 
     model: Any
@@ -119,6 +123,7 @@ class EvalContext:
     host_rows: int
     host_id: int
     num_hosts: int
+    data_config: Any = None
 
     @property
     def is_chief(self) -> bool:

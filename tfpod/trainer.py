@@ -102,11 +102,14 @@ class Trainer:
       steps_per_loop: train steps per call of `train_loop`.
       precision: float32, or mixed_bfloat16.
       seed: initialization and dropout.
+      data_config: the task's data config, for its host-side eval metrics (EvalContext).
     """
 
     def __init__(self, task: Task, model_config, optimizer_config: optimizers.OptimizerConfig, placement: Placement,
-                 total_steps: int, steps_per_loop: int, precision: str = "float32", seed: int = 0):
+                 total_steps: int, steps_per_loop: int, precision: str = "float32", seed: int = 0,
+                 data_config=None):
         self.task, self.model_config, self.placement = task, model_config, placement
+        self.data_config = data_config
         self.optimizer_name, self.steps_per_loop = optimizer_config.name, steps_per_loop
         tf_keras.utils.set_random_seed(seed)
         with precision_policy(precision):
@@ -163,7 +166,7 @@ class Trainer:
         to_device = lambda b: self.placement.to_global(b, task.batch_axes())
         info = runtime.info()
         context = EvalContext(self.model, self.model_config, self.placement, host_rows, info.client_id,
-                              info.num_clients)
+                              info.num_clients, self.data_config)
         with self.placement.activations(), partitioning.gathered_weights():
             result = evaluation.evaluate(self._eval_step, host_batches, host_rows, to_device, self.placement.mesh,
                                          task.eval_metric)

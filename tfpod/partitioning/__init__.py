@@ -1,7 +1,7 @@
 """Partitioning, owned in one place: logical axes, rules tables as data, validation, layouts.
 
 Models name the dimensions of their variables with *logical axes* (`batch`, `length`,
-`embed`, `heads`, `kv`, `mlp`, `vocab`, `expert`). Variable-path rules (regex over the
+`height`, `embed`, `heads`, `kv`, `mlp`, `vocab`, `expert`). Variable-path rules (regex over the
 variable name, e.g. `gpt/block_\\d+/self_attention/query/kernel`) give logical axes to
 variables of layers we do not write (tf-models-official). One *rules table* maps each
 logical axis to a mesh axis (or to nothing: replicated). Presets are rules tables:
@@ -16,6 +16,9 @@ logical axis to a mesh axis (or to nothing: replicated). Presets are rules table
     weight_update  `tensor` for compute, and the optimizer state and update sharded
                    over `data` (MLPerf TPU-pod weight-update sharding, ZeRO-style): see
                    UPDATE_AXIS and tfpod.optimizers.Update
+    spatial        image models: every weight replicated, the batch over `data` and each
+                   image's rows (`height`) over `model` (MLPerf's spatial partitioning),
+                   with tfpod's own halo exchange (see `spatial`)
 
 Two switches combine with any preset: `sequence_parallel` maps the residual stream's
 `sequence` axis to `model` (Megatron sequence parallelism: layer norms and dropout
@@ -39,6 +42,7 @@ The modules, each usable on its own (this package re-exports their public names)
   build        a tf_keras model materialized as DVariables laid out by the rules;
                update_layout (weight-update sharding); gather_when_used (`2d`)
   activations  shard / split / replicate of activations inside the compiled step
+  spatial      convolutions and pooling on image rows split over a mesh axis (halo exchange)
   dropout      dropout masks a resumed run replays, the same on every replica
   placement    Placement: the mesh, the table, the update and gather axes, and which
                rows of the global batch each host feeds (host_rows, to_global, to_host)
@@ -46,6 +50,7 @@ The modules, each usable on its own (this package re-exports their public names)
 
 
 from tfpod.partitioning.activations import activation_sharding, active_context, replicate, shard, split
+from tfpod.partitioning import spatial
 from tfpod.partitioning.build import (build_sharded, compute_layout, gather_when_used, gathered_weights, rows_split,
                                       update_layout, variable_specs)
 from tfpod.partitioning.dropout import random_layout, replayable_dropout

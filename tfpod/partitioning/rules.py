@@ -18,7 +18,7 @@ from tensorflow.experimental import dtensor
 
 from tfpod import UserError
 
-LOGICAL_AXES = ("batch", "length", "sequence", "embed", "heads", "kv", "mlp", "vocab", "expert")
+LOGICAL_AXES = ("batch", "length", "sequence", "height", "embed", "heads", "kv", "mlp", "vocab", "expert")
 
 AxisNames = tuple  # tuple[str | None, ...]: one logical axis (or None) per dimension
 
@@ -28,6 +28,7 @@ PRESETS: dict[str, dict[str, str | None]] = {
     "tensor": {"batch": "data", **_MEGATRON},
     "2d": {"batch": "data", **_MEGATRON, "embed": "data"},
     "weight_update": {"batch": "data", **_MEGATRON},
+    "spatial": {"batch": "data", "height": "model"},
 }
 # The mesh axis a preset shards the optimizer state and update over (default: none,
 # the state is laid out like its weight).
