@@ -6,8 +6,11 @@
   demo      demo data sets, prepared on first use and cached
   prepare   the default corpus (Python stdlib source) -> TFRecord shards + SentencePiece
   text      tokenization (tensorflow-text), packing, MLM masking: the data contract
-  lm_data, bert_data, translation, images
+  lm_data, bert_data, translation, images, detection
             each task's input: its data config and its TaskInput
+  coco      COCO images + instances JSON -> Model Garden detection TFRecords (a command line)
+  boxes     SSD default boxes, IoU, box encoding and decoding (the input and the model share them)
+  detection_demo  the demo detection set (shapes in 3 categories, written as COCO data)
   mesh_dataset  to_mesh: a tf.data.Dataset of global batches -> batch-sharded DTensors
             for Keras fit (imported on first use: it loads TensorFlow)
 
