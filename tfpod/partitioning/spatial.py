@@ -40,8 +40,10 @@ the enclosing `activation_sharding` maps `height` to a mesh axis of more than on
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
+import threading
 
 import numpy as np
 import tensorflow as tf
@@ -240,6 +242,43 @@ def max_pool2d(x: tf.Tensor, pool: tuple[int, int], strides=(1, 1), padding: str
     return dtensor.relayout(y, _layout(mesh, batch, axis, None, None))
 
 
+_RECORD = threading.local()
+
+
+@contextlib.contextmanager
+def recording():
+    """Within: each call of a layer of `use_spatial_layers` appends to the yielded list
+    {"layer" (name), "id" (the layer object's), "shape" (global output shape), "rows_split" (bool), "bytes_per_device"}
+    (the output's bytes one device holds, as laid out): bench/spatial.py's activation memory."""
+    records: list[dict] = []
+    previous = getattr(_RECORD, "value", None)
+    _RECORD.value = records
+    try:
+        yield records
+    finally:
+        _RECORD.value = previous
+
+
+def _record(layer: tf_keras.layers.Layer, y: tf.Tensor, height: int, kernel: int, stride: int, dilation: int,
+            padding: str) -> tf.Tensor:
+    records = getattr(_RECORD, "value", None)
+    if records is None:
+        return y
+    split, shards, rows = row_split(), 1, False
+    active = active_context()
+    if active is not None:
+        mesh, table = active
+        batch = table.get("batch")
+        shards = mesh.dim_size(batch) if batch in mesh.dim_names else 1
+    if split is not None:
+        rows = plan(height, kernel, stride, dilation, padding.upper(), split[0].dim_size(split[1])).split
+        shards *= split[0].dim_size(split[1]) if rows else 1
+    shape = [int(d) for d in y.shape]
+    records.append({"layer": layer.name, "id": id(layer), "shape": shape, "rows_split": rows,
+                    "bytes_per_device": int(np.prod(shape)) * y.dtype.size // shards})
+    return y
+
+
 @tf_keras.saving.register_keras_serializable(package="tfpod")
 class Conv2D(tf_keras.layers.Conv2D):
     """Keras's Conv2D (same weights and config) whose convolution splits image rows (`conv2d`)."""
@@ -248,8 +287,11 @@ class Conv2D(tf_keras.layers.Conv2D):
         supported = (self.data_format == "channels_last" and isinstance(self.padding, str)
                      and self.padding in ("same", "valid") and self.groups == 1)
         if not supported or row_split() is None:
-            return super().convolution_op(inputs, kernel)
-        return conv2d(inputs, kernel, self.strides, self.padding, self.dilation_rate)
+            y = super().convolution_op(inputs, kernel)
+        else:
+            y = conv2d(inputs, kernel, self.strides, self.padding, self.dilation_rate)
+        return _record(self, y, inputs.shape[1], self.kernel_size[0], self.strides[0], self.dilation_rate[0],
+                       str(self.padding))
 
 
 @tf_keras.saving.register_keras_serializable(package="tfpod")
@@ -258,8 +300,10 @@ class MaxPooling2D(tf_keras.layers.MaxPooling2D):
 
     def call(self, inputs):
         if self.data_format != "channels_last" or row_split() is None:
-            return super().call(inputs)
-        return max_pool2d(inputs, self.pool_size, self.strides, self.padding)
+            y = super().call(inputs)
+        else:
+            y = max_pool2d(inputs, self.pool_size, self.strides, self.padding)
+        return _record(self, y, inputs.shape[1], self.pool_size[0], self.strides[0], 1, self.padding)
 
 
 _SWAPS = {tf_keras.layers.Conv2D: Conv2D, tf_keras.layers.MaxPooling2D: MaxPooling2D}
