@@ -14,7 +14,7 @@ pytestmark = pytest.mark.unit  # no multi-device training
 
 
 def test_every_model_implements_the_task_contract():
-    assert set(TASKS) == {"gpt", "moe", "bert", "resnet", "transformer"}
+    assert set(TASKS) == {"gpt", "moe", "bert", "resnet", "transformer", "ssd"}
     for name, task in TASKS.items():
         assert isinstance(task, Task) and task.name == name
         assert not getattr(type(task), "__abstractmethods__", None), (name, type(task).__abstractmethods__)

@@ -153,7 +153,7 @@ GOLDEN = os.path.join(os.path.dirname(__file__), "golden")
 GOLDEN_CASES = [("gpt_tiny", p, "data:4,model:2") for p in ("data", "tensor", "2d", "weight_update")] + [
     ("moe_tiny", p, "data:2,expert:4") for p in ("data", "tensor")
 ] + [("bert_tiny", "tensor", "data:4,model:2"), ("resnet_tiny", "data", "data:8"),
-      ("transformer_tiny", "tensor", "data:4,model:2")]
+      ("transformer_tiny", "tensor", "data:4,model:2"), ("ssd_tiny", "data", "data:8")]
 
 
 @pytest.mark.parametrize("model,preset,spec", GOLDEN_CASES)
