@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import json
 import logging
 import time
 import weakref
@@ -208,13 +209,17 @@ def coco_eval(results: np.ndarray, image_ids: list[int], annotations: str | dict
 
     if not len(results):
         return np.zeros(len(AP_NAMES))
+    if isinstance(annotations, str):
+        with open(annotations) as f:
+            annotations = json.load(f)
+    # COCOeval reads every annotation's `area` and `iscrowd`, which COCO files written by
+    # other programs may leave out: the box's area and 0, as the converter takes them.
+    annotations = {**annotations, "annotations": [
+        {"area": a["bbox"][2] * a["bbox"][3], "iscrowd": 0, **a} for a in annotations.get("annotations", [])]}
     with contextlib.redirect_stdout(io.StringIO()):
-        if isinstance(annotations, str):
-            truth = COCO(annotations)
-        else:
-            truth = COCO()
-            truth.dataset = annotations
-            truth.createIndex()
+        truth = COCO()
+        truth.dataset = annotations
+        truth.createIndex()
         evaluator = COCOeval(truth, truth.loadRes(results), "bbox")
         evaluator.params.imgIds = sorted(image_ids)
         evaluator.evaluate()

@@ -259,3 +259,35 @@ def test_spatial_equals_data(tmp_path):
     ref = losses("data", "data:8", "data")
     rows = losses("spatial", "data:2,model:4", "spatial")
     assert np.max(np.abs(rows - ref) / np.abs(ref)) < 1e-4, (rows, ref)
+
+
+def test_another_programs_coco_data_converts_and_trains(tmp_path):
+    """COCO images and an instances JSON written by another program (PIL, odd category ids,
+    a PNG, a grey JPEG, an image without boxes) converted by the command line, then trained
+    and scored by COCOeval against that JSON."""
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+    from test_detection_input import write_coco
+
+    images_dir, annotations, _ = write_coco(tmp_path)
+    prefix = tmp_path / "data" / "coco"
+    convert = subprocess.run([sys.executable, "-m", "tfpod.input.coco", f"--images={images_dir}",
+                              f"--annotations={annotations}", f"--output={prefix}", "--num_shards=2"],
+                             cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert convert.returncode == 0, convert.stderr[-2000:]
+    model_dir = tmp_path / "run"
+    files = f"'{prefix}-*-of-00002.tfrecord'"
+    proc = main_py("--gin_file=gin/ssd_tiny.gin", "--cpu_devices=8", f"--model_dir={model_dir}", "--mode=train_and_eval",
+                   f"--gin_param=detection_data.train_files={files}", f"--gin_param=detection_data.eval_files={files}",
+                   f"--gin_param=detection_data.eval_annotations='{annotations}'", "--gin_param=train.steps=4",
+                   "--gin_param=train.steps_per_loop=2", "--gin_param=train.eval_every=4",
+                   "--gin_param=train.global_batch_size=8", "--gin_param=detection_data.shuffle_buffer=4",
+                   "--gin_param=optimizer.warmup_steps=0", "--gin_param=optimizer.piecewise_boundaries=[2, 3]",
+                   timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    records = [json.loads(line) for line in open(model_dir / "metrics.jsonl")]
+    final = [r for r in records if r["kind"] == "eval"][-1]
+    assert final["step"] == 4 and final["num_examples"] == 4 and final["coco_images"] == 4
+    assert all(-1.0 <= final[name] <= 1.0 for name in ssd_eval.AP_NAMES), final
