@@ -70,7 +70,7 @@ def run_tfpod(args) -> dict:
                                        steps_per_loop=args.steps_per_loop, log_every=args.steps_per_loop,
                                        checkpoint_every=10**9, synthetic_data=True)
     opt = optimizers.OptimizerConfig(name="sgd", learning_rate=LEARNING_RATE, momentum=0.9, decay="constant",
-                                     clip_norm=0)
+                                     weight_decay=0.0, clip_norm=0)
     with tempfile.TemporaryDirectory() as model_dir:
         run = api.controller(task, cfg, train_cfg, opt, placement, model_dir)
         run.checkpoints.save = lambda **kwargs: None  # the final checkpoint is not part of the rate

@@ -153,7 +153,8 @@ def test_config_errors_are_one_line(tmp_path):
 
     for param, needle in [("ssd.num_classes=5", "ssd.num_classes=5 but the detection data has 3 categories"),
                           ("ssd.block_repeats=(3, 4)", "ssd.block_repeats"),
-                          ("optimizer.piecewise_boundaries=[10]", "piecewise")]:
+                          ("optimizer.piecewise_boundaries=[10]", "piecewise"),
+                          ("optimizer.weight_decay=0.01", "optimizer.name='sgd' applies no weight decay")]:
         with pytest.raises(UserError, match=needle) as e:
             run(["gin/ssd_tiny.gin"], [param], str(tmp_path / "bad"), mode="train_and_eval", mesh_spec="data:8")
         assert "\n" not in str(e.value)

@@ -49,7 +49,7 @@ class OptimizerConfig:
       power: exponent of the polynomial decay.
       piecewise_boundaries: piecewise: the (global, increasing) steps where the rate changes.
       piecewise_ratios: piecewise: the rate after each boundary, as a fraction of learning_rate.
-      weight_decay: decoupled weight decay (adamw, lamb, lars).
+      weight_decay: decoupled weight decay (adamw, lamb, lars; sgd has none: must be 0).
       beta_1, beta_2, epsilon: Adam/LAMB moments.
       momentum: lars/sgd momentum.
       exclude_from_weight_decay: variable-name substrings with no weight decay.
@@ -82,6 +82,10 @@ class OptimizerConfig:
             raise UserError(f"optimizer.learning_rate={self.learning_rate} must be positive")
         if self.warmup_steps < 0:
             raise UserError(f"optimizer.warmup_steps={self.warmup_steps} must be >= 0")
+        if self.name == "sgd" and self.weight_decay:
+            raise UserError(f"optimizer.weight_decay={self.weight_decay}: optimizer.name='sgd' applies no weight "
+                            "decay; set optimizer.weight_decay=0 (an L2 term belongs in the model's loss, e.g. "
+                            "ssd.weight_decay) or use lars or adamw")
         bounds, ratios = list(self.piecewise_boundaries), list(self.piecewise_ratios)
         if self.decay == "piecewise" and (not bounds or len(bounds) != len(ratios)
                                           or any(b >= c for b, c in zip(bounds, bounds[1:]))
