@@ -30,9 +30,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
+
+from workers import run_worker  # bench/workers.py (scripts run from bench/)
 
 RUNS = {"data8": (8, "data:8", "data"), "spatial": (8, "data:2,model:4", "spatial"), "data2": (2, "data:2", "data")}
 LOSS_RTOL = 1e-4
@@ -68,7 +69,7 @@ def measure(args) -> dict:
     for r in records:  # one forward pass: a layer's first record (later traces repeat it)
         first.setdefault(r["id"], r)
     ends = [s["time"] for s in steps if s.get("kind") == "train"]  # one record per step
-    times = [b - a for a, b in zip(ends[1:], ends[2:])]  # the steps after the compiling one
+    times = [b - a for a, b in zip(ends, ends[1:])]  # the steps after the first (compiling) one
     return {
         "mesh": spec, "preset": preset, "devices": cpu_devices,
         "activation_bytes_per_device": sum(r["bytes_per_device"] for r in first.values()),
@@ -90,14 +91,8 @@ def _model_config(task, args):
 def run_one(name: str, args) -> dict:
     cmd = [sys.executable, __file__, "--worker", f"--run={name}", f"--model={args.model}",
            f"--image_size={args.image_size}", f"--global_batch={args.global_batch}", f"--steps={args.steps}"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
-    if args.verbose:
-        sys.stderr.write(proc.stderr)
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
-    if proc.returncode or not lines:
-        tail = [line for line in proc.stderr.splitlines() if line.strip()][-1:] or ["no output"]
-        return {"error": f"exit {proc.returncode}: {tail[0]}"}
-    return json.loads(lines[-1])
+    return run_worker(cmd, "spatial", name, os.path.dirname(os.path.dirname(os.path.abspath(__file__))), args.verbose,
+                      args.timeout)
 
 
 def main() -> None:

@@ -32,10 +32,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
+
+from workers import run_worker  # bench/workers.py (scripts run from bench/)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -146,18 +147,9 @@ def run(name: str, args) -> dict:
     """One measurement in a fresh process; its JSON, or {"error": its last line}."""
     cmd = [sys.executable, os.path.abspath(__file__), f"--worker={name}"] + [
         f"--{k}={v}" for k, v in vars(args).items() if k not in ("worker", "runs", "repeats", "verbose")]
-    print(f"[ssd_throughput] {name} ...", file=sys.stderr, flush=True)
-    t = time.perf_counter()
-    proc = subprocess.run(cmd, cwd=ROOT, text=True, stdout=subprocess.PIPE,
-                          stderr=None if args.verbose else subprocess.PIPE)
-    lines = [line for line in proc.stdout.strip().splitlines() if line.startswith("{")]
-    if proc.returncode or not lines:
-        tail = (proc.stderr or proc.stdout or "").strip().splitlines()
-        error = tail[-1] if tail else f"exit status {proc.returncode}"
-        print(f"[ssd_throughput] {name}: failed: {error}", file=sys.stderr, flush=True)
-        return {"error": error}
-    result = json.loads(lines[-1])
-    result["process_wall_s"] = time.perf_counter() - t
+    result = run_worker(cmd, "ssd_throughput", name, ROOT, args.verbose)
+    if "error" in result:
+        return result
     print(f"[ssd_throughput] {name}: {result['images_per_sec']:,.1f} images/s ({result['process_wall_s']:.0f} s)",
           file=sys.stderr, flush=True)
     return result

@@ -64,10 +64,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
+
+from workers import run_worker  # bench/workers.py (scripts run from bench/)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -499,18 +500,9 @@ def run(name: str, args) -> dict:
         f"--{k}={v}" for k, v in vars(args).items()
         if k not in ("worker", "precision", "runs", "verbose", "device", "repeats") and v is not None
     ] + (["--device"] if args.device else [])
-    print(f"[train_throughput] {name} ...", file=sys.stderr, flush=True)
-    t = time.perf_counter()
-    proc = subprocess.run(cmd, cwd=ROOT, text=True, stdout=subprocess.PIPE,
-                          stderr=None if args.verbose else subprocess.PIPE)
-    lines = [line for line in proc.stdout.strip().splitlines() if line.startswith("{")]
-    if proc.returncode or not lines:
-        tail = (proc.stderr or proc.stdout or "").strip().splitlines()
-        error = tail[-1] if tail else f"exit status {proc.returncode}"
-        print(f"[train_throughput] {name}: failed: {error}", file=sys.stderr, flush=True)
-        return {"error": error}
-    result = json.loads(lines[-1])
-    result["process_wall_s"] = time.perf_counter() - t
+    result = run_worker(cmd, "train_throughput", name, ROOT, args.verbose)
+    if "error" in result:
+        return result
     summary = (f"{result['tokens_per_sec']:,.1f}/s" if "tokens_per_sec" in result else
                ", ".join(f"{k} {v / 1e9:.0f} GFLOP/s" for k, v in result.items() if k != "process_wall_s"))
     print(f"[train_throughput] {name}: {summary} ({result['process_wall_s']:.0f} s)", file=sys.stderr, flush=True)

@@ -214,7 +214,7 @@ def use_batch_norm(model: tf_keras.layers.Layer) -> None:
             layer.__class__ = BatchNormalization
 
 
-def _conv_geometry(size: int, kernel: int, stride: int, dilation: int, padding: str) -> tuple[int, int, int]:
+def conv_geometry(size: int, kernel: int, stride: int, dilation: int, padding: str) -> tuple[int, int, int]:
     """(output size, padding before, padded input size) of one spatial dimension, as TensorFlow pads."""
     extent = (kernel - 1) * dilation + 1
     if padding == "VALID":
@@ -258,8 +258,8 @@ def depthwise_conv2d(x: tf.Tensor, kernel: tf.Tensor, strides=(1, 1), padding: s
     (sh, sw), (dh, dw), padding = tuple(strides), tuple(dilations), padding.upper()
     kh, kw, c, m = kernel.shape
     n_h, n_w = x.shape[1], x.shape[2]
-    oh, pb_h, np_h = _conv_geometry(n_h, kh, sh, dh, padding)
-    ow, pb_w, np_w = _conv_geometry(n_w, kw, sw, dw, padding)
+    oh, pb_h, np_h = conv_geometry(n_h, kh, sh, dh, padding)
+    ow, pb_w, np_w = conv_geometry(n_w, kw, sw, dw, padding)
 
     @tf.custom_gradient
     def core(x, kernel):

@@ -51,6 +51,7 @@ import tf_keras
 from tensorflow.experimental import dtensor
 
 from tfpod import compat
+from tfpod.fused import conv_geometry
 from tfpod.partitioning.activations import active_context
 
 log = logging.getLogger("tfpod")
@@ -77,16 +78,6 @@ class RowGeometry:
     after: int
     split: bool
     reason: str = ""
-
-
-def conv_geometry(size: int, kernel: int, stride: int, dilation: int, padding: str) -> tuple[int, int, int]:
-    """(output size, padding before, padded input size) of one spatial dimension, as TensorFlow pads."""
-    extent = (kernel - 1) * dilation + 1
-    if padding == "VALID":
-        return (size - extent) // stride + 1, 0, size
-    out = -(-size // stride)
-    total = max((out - 1) * stride + extent - size, 0)
-    return out, total // 2, size + total
 
 
 def plan(height: int, kernel: int, stride: int, dilation: int, padding: str, blocks: int) -> RowGeometry:
