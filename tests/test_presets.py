@@ -133,7 +133,8 @@ def test_update_layout_picks_the_first_free_divisible_dimension():
 
 @pytest.mark.unit
 def test_presets_are_tables_and_switches():
-    assert set(partitioning.PRESETS) == {"data", "tensor", "2d", "weight_update"}
+    assert set(partitioning.PRESETS) == {"data", "tensor", "2d", "weight_update", "spatial"}
+    assert partitioning.rules_table("spatial")["height"] == "model" and partitioning.rules_table("spatial")["mlp"] is None
     assert partitioning.rules_table("2d")["embed"] == "data" and partitioning.rules_table("2d")["mlp"] == "model"
     mesh = make_mesh("data:4,model:2")
     placement = lambda **kw: partitioning.Placement.from_config(partitioning.ShardingConfig(**kw), "tensor", mesh)
