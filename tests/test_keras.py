@@ -439,3 +439,12 @@ def test_weights_keep_their_order_and_unused_mesh_axes_are_refused():
     assert one_line(e).startswith("mesh axis 'modle' (size 2) is used by no rule of preset 'tensor' (its mesh axes: "
                                   "'data', 'expert', 'model')")
     tfpod.sharding(tfpod.make_mesh("data:4,modle:2"), rules={r"dense\.kernel": (None, "modle")})  # named in a rule
+
+
+@pytest.mark.unit
+def test_the_spatial_preset_is_refused_for_a_keras_model():
+    """A Keras model's layers do not split image rows: `model` would only repeat work."""
+    with pytest.raises(UserError) as e:
+        tfpod.sharding(tfpod.make_mesh("data:2,model:4"), preset="spatial")
+    assert "a Keras model's layers do not split image rows" in one_line(e)
+    tfpod.sharding(tfpod.make_mesh("data:8"), preset="spatial")  # no axis for the rows: the data preset's work
