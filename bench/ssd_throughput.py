@@ -36,7 +36,7 @@ import sys
 import tempfile
 import time
 
-from workers import run_worker  # bench/workers.py (scripts run from bench/)
+from workers import best, rotate, run_worker  # bench/workers.py (scripts run from bench/)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -155,16 +155,6 @@ def run(name: str, args) -> dict:
     return result
 
 
-def best(results: list[dict]) -> dict:
-    """The fastest of a run's repeats, with every repeat's rate."""
-    ok = [r for r in results if "error" not in r]
-    if not ok:
-        return results[-1]
-    top = dict(max(ok, key=lambda r: r["images_per_sec"]))
-    top["repeats_images_per_sec"] = [r.get("images_per_sec") for r in results]
-    return top
-
-
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--gin_file", default="gin/model/ssd_tiny.gin", help="the SSD model config")
@@ -188,14 +178,8 @@ def main(argv=None) -> int:
         print(json.dumps(run_tfpod(args) if args.worker == "tfpod" else run_keras_fit(args)), flush=True)
         return 0
     names = [n for n in args.runs.split(",") if n]
-    unknown = [n for n in names if n not in RUNS]
-    if unknown:
-        p.error(f"--runs: unknown {','.join(unknown)}; use a subset of {','.join(RUNS)}")
-    trials = {name: [] for name in names}
-    for _ in range(args.repeats):  # in rotation, so a slow spell of the machine hits every run alike
-        for name in names:
-            trials[name].append(run(name, args))
-    runs = {name: best(results) for name, results in trials.items()}
+    trials = rotate(names, RUNS, args.repeats, lambda name: run(name, args), p.error)
+    runs = {name: best(results, "images_per_sec") for name, results in trials.items()}
     rate = lambda name: runs.get(name, {}).get("images_per_sec")
     summary = {"model": args.gin_file, "global_batch": args.global_batch, "warmup": args.warmup, "steps": args.steps,
                "steps_per_loop": args.steps_per_loop, "mesh": args.mesh, "images_per_sec": rate("tfpod"),

@@ -68,7 +68,8 @@ import sys
 import tempfile
 import time
 
-from workers import run_worker  # bench/workers.py (scripts run from bench/)
+import workers  # bench/workers.py (scripts run from bench/)
+from workers import rotate, run_worker
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -570,13 +571,7 @@ def main(argv=None):
         print(json.dumps(worker(args)), flush=True)
         return 0
     names = [n for n in args.runs.split(",") if n]
-    unknown = [n for n in names if n not in RUNS]
-    if unknown:
-        p.error(f"--runs: unknown {','.join(unknown)}; use a subset of {','.join(RUNS)}")
-    trials = {name: [] for name in names}
-    for _ in range(args.repeats):  # in rotation, so a slow spell of the machine hits every run alike
-        for name in names:
-            trials[name].append(run(name, args))
+    trials = rotate(names, RUNS, args.repeats, lambda name: run(name, args), p.error)
     print(json.dumps(summarize(args, {name: best(results) for name, results in trials.items()})), flush=True)
     return 1 if any("error" in r for results in trials.values() for r in results) else 0
 
@@ -584,13 +579,9 @@ def main(argv=None):
 def best(results: list[dict]) -> dict:
     """The fastest of a run's repeats (the peak: each dtype's best), with every repeat's rate."""
     ok = [r for r in results if "error" not in r]
-    if not ok:
-        return results[-1]
-    if "tokens_per_sec" not in ok[0]:  # the peak
+    if ok and "tokens_per_sec" not in ok[0]:  # the peak
         return {k: max(r[k] for r in ok) for k in ("float32", "bfloat16")}
-    top = dict(max(ok, key=lambda r: r["tokens_per_sec"]))
-    top["repeats_tokens_per_sec"] = [r.get("tokens_per_sec") for r in results]
-    return top
+    return workers.best(results, "tokens_per_sec")
 
 
 if __name__ == "__main__":

@@ -43,3 +43,26 @@ def run_worker(cmd: list[str], tag: str, name: str, cwd: str, verbose: bool = Fa
     result = json.loads(lines[-1])
     result["process_wall_s"] = time.perf_counter() - t
     return result
+
+
+def rotate(names: list[str], all_runs, repeats: int, run, error) -> dict[str, list[dict]]:
+    """Each of `names` run `repeats` times in rotation (a slow spell of the machine hits every
+    run alike): {name: [result, ...]}. `error(message)` reports an unknown name (argparse's)."""
+    unknown = [n for n in names if n not in all_runs]
+    if unknown:
+        error(f"--runs: unknown {','.join(unknown)}; use a subset of {','.join(all_runs)}")
+    trials = {name: [] for name in names}
+    for _ in range(repeats):
+        for name in names:
+            trials[name].append(run(name))
+    return trials
+
+
+def best(results: list[dict], rate: str) -> dict:
+    """The repeat with the highest `rate` (a result key), with every repeat's rate as "repeats_<rate>"."""
+    ok = [r for r in results if "error" not in r]
+    if not ok:
+        return results[-1]
+    top = dict(max(ok, key=lambda r: r[rate]))
+    top[f"repeats_{rate}"] = [r.get(rate) for r in results]
+    return top

@@ -39,8 +39,6 @@ from tfpod.input import images as images_lib
 from tfpod.partitioning import AxisRule, shard, spatial
 from tfpod.task import Task
 
-IMAGE_AXES = ("batch", "height", None, None)  # [batch, height, width, channels]
-
 
 @dataclasses.dataclass
 class ResNetConfig:
@@ -126,7 +124,7 @@ class ResNetClassifier(tf_keras.Model):
 
     def call(self, inputs, training=None):
         images = inputs["images"] if isinstance(inputs, dict) else inputs
-        x = shard(shard(images, ("batch", None, None, None)), IMAGE_AXES)  # [batch, H, W, 3]: as fed, then rows split
+        x = spatial.split_rows(images)  # [batch, H, W, 3]: rows over `height` under the spatial preset
         levels = self.backbone(x, training=training)  # {"2".."5": [batch, H / 2^l, W / 2^l, channels]}
         x = levels[max(levels, key=int)]  # the last stage, [batch, H / 32, W / 32, channels]
         x = self.pool(x)  # [batch, channels]

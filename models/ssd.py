@@ -68,8 +68,6 @@ from tfpod.models import ssd_eval
 from tfpod.partitioning import AxisRule, shard, spatial
 from tfpod.task import EvalContext, Task
 
-# Images are split over rows under the `spatial` preset (logical axis `height`).
-IMAGE_AXES = ("batch", "height", None, None)  # [batch, height, width, channels]
 BACKBONE_FILTERS = (64, 128, 256)  # conv2_x, conv3_x, conv4_x (ResNet-34)
 BACKBONE_STRIDES = (1, 2, 1)  # conv4_x at stride 1: the reference's 38x38 map at 300x300
 EXTRA_LAYERS = ((256, 512), (256, 512), (128, 256), (128, 256), (128, 256))  # (1x1 width, 3x3 width)
@@ -263,7 +261,7 @@ class SSD(tf_keras.Model):
 
     def call(self, inputs, training=None):
         images = inputs["images"] if isinstance(inputs, dict) else inputs
-        x = shard(shard(images, ("batch", None, None, None)), IMAGE_AXES)  # [batch, S, S, 3]: as fed, rows split
+        x = spatial.split_rows(images)  # [batch, H, W, 3]: rows over `height` under the spatial preset
         boxes, logits = [], []
         for x, box_head, class_head in zip(self.features(x, training), self.box_heads, self.class_heads):
             side = x.shape[1] * x.shape[2]

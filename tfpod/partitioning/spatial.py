@@ -52,7 +52,7 @@ from tensorflow.experimental import dtensor
 
 from tfpod import compat
 from tfpod.fused import conv_geometry
-from tfpod.partitioning.activations import active_context
+from tfpod.partitioning.activations import active_context, shard
 
 log = logging.getLogger("tfpod")
 
@@ -107,6 +107,16 @@ def row_split():
     batch = table.get("batch")
     batch = batch if batch in mesh.dim_names and batch != axis else dtensor.UNSHARDED
     return mesh, axis, batch
+
+
+def split_rows(images: tf.Tensor) -> tf.Tensor:
+    """A model's input images [batch, H, W, C] laid out as fed (the batch split), then with
+    their rows over the `height` axis where the sharding maps one (the model's first layer).
+
+    The explicit first layout keeps DTensor from pushing the row split back into the
+    input feed's ops (a gather of the step's batch failed SPMD expansion with it).
+    """
+    return shard(shard(images, ("batch", None, None, None)), ("batch", HEIGHT, None, None))
 
 
 def _layout(mesh, *specs) -> dtensor.Layout:
