@@ -29,7 +29,7 @@ from official.nlp.modeling import layers as mg_layers
 from tfpod import UserError, compat, evaluation, fused
 from tfpod.input import lm_data
 from tfpod.partitioning import AxisRule, rows_split, shard
-from tfpod.task import Task
+from tfpod.task import StagedModel, Task
 
 # The residual stream between blocks: its sequence dimension is the logical axis
 # `sequence`, which only sequence parallelism maps to a mesh axis (`model`).
@@ -124,11 +124,25 @@ class GPT(tf_keras.Model):
             return block([x, mask], training=training)
         return tf.recompute_grad(lambda x, mask: block([x, mask], training=training))(x, mask)
 
+    def block_and_aux(self, block, x, mask, training):
+        """One block as a pipeline stage runs it: (x, the block's own loss term: None)."""
+        return self.run_block(block, x, mask, training), None
+
     def call(self, inputs, training=None, return_hidden=False):
         """Logits [batch, length, vocab] float32, or with `return_hidden` the final layer
         norm's output [batch, length, embed] that the tied output layer multiplies
         (`loss_and_metrics` then computes the output layer and the loss together)."""
         features = inputs if isinstance(inputs, dict) else {"inputs": inputs}
+        x = self.embed_inputs(features, training)
+        mask = causal_mask(features["inputs"], features.get("segment_ids"))  # [batch, length, length]
+        for block in self.blocks:
+            x = self.run_block(block, x, mask, training)
+            x = shard(x, ACTIVATION_AXES)
+        x = self.final_hidden(x)
+        return x if return_hidden else self.output_logits(x)
+
+    def embed_inputs(self, features: dict, training) -> tf.Tensor:
+        """The first block's input [batch, length, embed]: token and position embeddings, dropout."""
         ids = features["inputs"]
         x = self.embed(ids)  # [batch, length, embed]
         in_order = self.position_embedding(x)  # positions 0..length-1 (also builds the table)
@@ -138,14 +152,11 @@ class GPT(tf_keras.Model):
         else:
             x = x + in_order
         x = self.embedding_dropout(x, training=training)
-        x = shard(x, ACTIVATION_AXES)
-        mask = causal_mask(ids, features.get("segment_ids"))  # [batch, length, length]
-        for block in self.blocks:
-            x = self.run_block(block, x, mask, training)
-            x = shard(x, ACTIVATION_AXES)
-        x = self.final_norm(x)
-        x = shard(x, ("batch", "length", "embed"))  # whole sequences for the output layer
-        return x if return_hidden else self.output_logits(x)
+        return shard(x, ACTIVATION_AXES)
+
+    def final_hidden(self, x: tf.Tensor) -> tf.Tensor:
+        """The final layer norm of the last block's output, whole sequences for the output layer."""
+        return shard(self.final_norm(x), ("batch", "length", "embed"))
 
     def embed(self, ids: tf.Tensor) -> tf.Tensor:
         """Token embeddings [batch, length, embed] of ids [batch, length].
@@ -372,10 +383,31 @@ def loss_and_metrics(model: GPT, batch: dict, training: bool):
       (loss, {"loss_sum", "weight_sum"}) as float32 scalars.
     """
     x = model(model_inputs(batch), training=training, return_hidden=True)  # [batch, length, embed]
+    return head_loss(model, x, batch)
+
+
+def head_loss(model: GPT, x: tf.Tensor, batch: dict):
+    """The tied output layer's loss of the final hidden states x [batch, length, embed]."""
     table = model.token_embedding.embeddings
     if rows_split(table):
         return loss_from_logits(model.output_logits(x), batch)
     return output_layer_loss(x, tf.cast(table, x.dtype), batch)
+
+
+def staged(model: GPT) -> StagedModel:
+    """The LM cut for pipeline stages: embeddings first, blocks, final norm + tied output layer + loss last."""
+    return StagedModel(
+        first=lambda batch, training: model.embed_inputs(model_inputs(batch), training),
+        context=lambda batch: causal_mask(batch["inputs"], batch.get("segment_ids")),
+        blocks=model.blocks,
+        block=model.block_and_aux,
+        outputs=lambda x, batch: model.output_logits(model.final_hidden(x)),
+        loss=lambda x, batch, training: head_loss(model, model.final_hidden(x), batch)[1]["loss_sum"],
+        loss_weight=lambda batch: tf.reduce_sum(tf.cast(batch["weights"], tf.float32)),
+        activation_axes=ACTIVATION_AXES,
+        first_layers=(model.token_embedding, model.position_embedding),
+        last_layers=(model.final_norm,),
+    )
 
 
 def output_layer_loss(x: tf.Tensor, table: tf.Tensor, batch: dict):
@@ -557,6 +589,7 @@ class GPTTask(Task):
     make_input = staticmethod(lm_data.lm_input)
     loss_and_metrics = staticmethod(loss_and_metrics)
     serving = staticmethod(serving)
+    staged = staticmethod(staged)
 
     def tokens_per_example(self, config: GPTConfig) -> int:
         return config.seq_len

@@ -52,12 +52,14 @@ def launch_command(num_hosts: int, devices_per_host: int, *main_args) -> list[st
 
 
 def make_run(task, model_config, train_config, optimizer_config, mesh, model_dir, preset=None, **sharding):
-    """A Controller (with its Trainer) on `mesh` (a spec or a Mesh) under `preset` (default: the
-    task's), as main.py builds one; `sharding` are further ShardingConfig fields."""
+    """A Controller (with its Trainer) on `mesh` (a spec, with or without pipeline stages, or a
+    Mesh) under `preset` (default: the task's), as main.py builds one; `sharding` are further
+    ShardingConfig fields."""
     from tfpod import api, partitioning
-    from tfpod.mesh import make_mesh
+    from tfpod.mesh import make_stage_meshes
 
-    mesh = make_mesh(mesh) if isinstance(mesh, str) else mesh
+    mesh = make_stage_meshes(mesh) if isinstance(mesh, str) else mesh
     config = partitioning.ShardingConfig(preset=preset, **sharding)
     placement = partitioning.Placement.from_config(config, task.default_preset, mesh, check=False)
-    return api.controller(task, model_config, train_config, optimizer_config, placement, str(model_dir))
+    return api.controller(task, model_config, train_config, optimizer_config, placement, str(model_dir),
+                          schedule=config.pipeline_schedule)

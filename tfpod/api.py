@@ -97,8 +97,8 @@ def start(c: RunConfigs, options: RunOptions) -> Session:
     from tfpod.input.common import ShardInfo
 
     info = runtime.initialize(cpu_devices=options.cpu_devices, device_type=options.device_type)
-    mesh = meshlib.make_mesh(options.mesh_spec or c.experiment.mesh)
-    placement = partitioning.Placement.from_config(c.sharding, c.task.default_preset, mesh)
+    meshes = meshlib.make_stage_meshes(options.mesh_spec or c.experiment.mesh)
+    placement = partitioning.Placement.from_config(c.sharding, c.task.default_preset, meshes)
     _check_image_rows(c.task, placement)
     task_input = None
     if not c.train.synthetic_data:
@@ -118,15 +118,28 @@ def _check_image_rows(task, placement) -> None:
                         f"partitioning is for {able}; use another preset (e.g. tensor or data)")
 
 
-def controller(task, model_config, train_config, optimizer_config, placement, model_dir: str, data_config=None):
+def controller(task, model_config, train_config, optimizer_config, placement, model_dir: str, data_config=None,
+               schedule: str = "gpipe"):
     """A Trainer (the model and optimizer on the mesh, the compiled steps) and its Controller
-    (`data_config`: the task's, for its host-side eval metrics)."""
+    (`data_config`: the task's, for its host-side eval metrics; `schedule`: a pipeline's)."""
     from tfpod.controller import Controller
+    from tfpod.pipeline import check_microbatches
     from tfpod.trainer import Trainer
 
+    if placement.stages and (placement.gather_axis or placement.update_axis):
+        what = "sharding.preset='2d'" if placement.gather_axis else f"an update sharded over {placement.update_axis!r}"
+        raise UserError(f"{what} inside pipeline stages (--mesh with a `stage` axis) is not supported yet: DTensor "
+                        f"computes its data-sharded weights' gradients wrongly in a step that spans the stage meshes "
+                        f"(a gather of a sharded table reads out of range); use the data or tensor preset in the "
+                        f"stages (sharding.update_axis='' turns weight_update's sharded update off)")
+    if train_config.microbatches > 1:
+        axis = placement.batch_axis(tuple(next(iter(task.batch_axes().values()))))
+        check_microbatches(train_config.global_batch_size, placement.mesh.dim_size(axis) if axis else 1,
+                           train_config.microbatches)
     trainer = Trainer(task, model_config, optimizer_config, placement, total_steps=train_config.steps,
                       steps_per_loop=train_config.steps_per_loop, precision=train_config.precision,
-                      seed=train_config.seed, data_config=data_config)
+                      seed=train_config.seed, data_config=data_config, microbatches=train_config.microbatches,
+                      schedule=schedule)
     return Controller(trainer, train_config, model_dir)
 
 
@@ -149,7 +162,8 @@ def train(c: RunConfigs, model_dir: str, options: RunOptions, evaluating: bool =
     """
     check_writable(model_dir)
     session = start(c, options)
-    run = controller(c.task, c.model, c.train, c.optimizer, session.placement, model_dir, c.data)
+    run = controller(c.task, c.model, c.train, c.optimizer, session.placement, model_dir, c.data,
+                     c.sharding.pipeline_schedule)
     run.restore()  # a checkpoint that does not fit stops the run here
     eval_batches = None
     if evaluating:

@@ -26,6 +26,7 @@ one a run can go on from, and keeping the newest `keep` never drops the last fin
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -67,6 +68,10 @@ class CheckpointManager:
         self._step = step
         self._ckpt = tf.train.Checkpoint(**trackables)
         self._manager = tf.train.CheckpointManager(self._ckpt, self.directory, max_to_keep=keep, step_counter=step)
+        # A save or restore names its files on DTensor's default mesh: make that the step's
+        # (pipeline stages' variables are saved through the first stage, stages.save_through).
+        layout = getattr(compat.inner_variable(step), "layout", None)
+        self._mesh = (lambda: dtensor.default_mesh(layout.mesh)) if layout is not None else contextlib.nullcontext
         self._finite_counts, self._keys = None, []  # the compiled check of `nonfinite`, made at its first use
 
     @property
@@ -96,7 +101,8 @@ class CheckpointManager:
         if problem:
             raise UserError(f"checkpoint {path} is not of this model: {problem}; {fix}")
         try:
-            self._ckpt.restore(path).assert_existing_objects_matched()
+            with self._mesh():
+                self._ckpt.restore(path).assert_existing_objects_matched()
         except (AssertionError, ValueError) as e:
             raise UserError(f"checkpoint {path} is not of this model ({first_line(e)}); {fix}") from None
 
@@ -143,16 +149,21 @@ class CheckpointManager:
     def nonfinite(self) -> list[str]:
         """The saved variables (weights, optimizer slots) holding a NaN or Inf now, by checkpoint key.
 
-        One compiled pass over the state (each variable's count of non-finite values,
-        reduced over the mesh), so every host gets the same answer.
+        One compiled pass over the state of each mesh (pipeline stages hold theirs on their
+        own; each variable's count of non-finite values, reduced over the mesh), so every
+        host gets the same answer.
         """
         if self._finite_counts is None:
             keyed = [(k, v) for k, v in variables_by_key(self._ckpt).items() if v.dtype.is_floating]
-            self._keys = [k for k, _ in keyed]
-            values = [v for _, v in keyed]
-            self._finite_counts = tf.function(lambda: tf.stack(
-                [tf.reduce_sum(tf.cast(tf.logical_not(tf.math.is_finite(v)), tf.float32)) for v in values]))
-        counts = runtime.to_host(self._finite_counts())
+            groups: dict[str, list] = {}
+            for k, v in keyed:
+                layout = getattr(compat.inner_variable(v), "layout", None)
+                groups.setdefault(layout.mesh.to_string() if layout is not None else "", []).append((k, v))
+            self._keys = [k for members in groups.values() for k, _ in members]
+            count = lambda v: tf.reduce_sum(tf.cast(tf.logical_not(tf.math.is_finite(v)), tf.float32))
+            self._finite_counts = [tf.function(lambda vs=[v for _, v in members]: tf.stack([count(v) for v in vs]))
+                                   for members in groups.values()]
+        counts = np.concatenate([runtime.to_host(fn()) for fn in self._finite_counts])
         return [self._keys[i].split("/.ATTRIBUTES")[0] for i in np.flatnonzero(counts)]
 
     def check_finite(self) -> None:
@@ -171,7 +182,8 @@ class CheckpointManager:
             self.check_finite()
         step = int(self._step.numpy())
         try:
-            path = self._manager.save(checkpoint_number=step)
+            with self._mesh():
+                path = self._manager.save(checkpoint_number=step)
         except (tf.errors.OpError, OSError) as e:  # a full disk, a quota, a lost mount
             self._remove_partial(step)
             raise UserError(f"checkpoint of step {step} could not be written to {self.directory} "
@@ -410,7 +422,8 @@ class InputCheckpoint:
             return self._cannot(step, f"the input changed since checkpoint step {step} "
                                       f"({source_changes(stored, self.source)})", strict, "skipped")
         try:
-            self._ckpt.restore(path).assert_existing_objects_matched()
+            with self._mesh():
+                self._ckpt.restore(path).assert_existing_objects_matched()
         except (tf.errors.OpError, AssertionError, ValueError) as e:
             return self._cannot(step, f"the input position saved at step {step} does not fit this input pipeline "
                                       f"({first_line(e)})", strict, "failed")

@@ -72,6 +72,37 @@ def wrap_variable_reads(variable, wrap) -> None:
     variable._read_variable_op = wrapped
 
 
+def intercept_variable_reads(variable, reader) -> None:
+    """Makes every read of `variable` return reader(read), where read() is the read it replaces
+    (so a reader may return another tensor without creating the read op)."""
+    read = variable._read_variable_op
+
+    def intercepted(*args, **kwargs):
+        return reader(lambda: read(*args, **kwargs))
+
+    variable._read_variable_op = intercepted
+
+
+def dtensor_save_spec():
+    """DTensor's SaveSpec with a layout (tensorflow.dtensor.python.d_variable.DSaveSpec)."""
+    from tensorflow.dtensor.python import d_variable
+
+    return d_variable.DSaveSpec
+
+
+def saveable_object_class():
+    """TensorFlow's legacy SaveableObject (what a DVariable's checkpoint entry is)."""
+    from tensorflow.python.training.saving import saveable_object
+
+    return saveable_object.SaveableObject
+
+
+def set_checkpoint_saveable(variable, factory) -> None:
+    """Makes checkpoints save and restore `variable` through factory(name) -> SaveableObject
+    (DVariable's own hook, `_gather_saveables_for_checkpoint`, on this instance)."""
+    variable._gather_saveables_for_checkpoint = lambda: {"VARIABLE_VALUE": factory}
+
+
 def lazy_variable():
     """tf_keras's lazily initialized variables (tf_keras.src.dtensor.lazy_variable)."""
     from tf_keras.src.dtensor import lazy_variable as module
@@ -226,6 +257,29 @@ def create_optimizer_weights(optimizer) -> None:
 def create_slots(optimizer, variable) -> None:
     """A legacy optimizer's slots of `variable`, created now."""
     optimizer._create_slots([variable])
+
+
+def prepare_updates(optimizer, variables) -> dict:
+    """A legacy optimizer's per-step coefficients (learning rate, beta powers, ...) for these
+    variables: its `apply_state`."""
+    return optimizer._prepare(list(variables))
+
+
+def apply_updates(optimizer, grads_and_vars, apply_state: dict):
+    """A legacy optimizer's dense updates of (gradient, variable) pairs with coefficients from
+    `prepare_updates`, its step counter not advanced: OptimizerV2._distributed_apply without
+    the increment (the caller advances it once after updating every pipeline stage's weights)."""
+    import tensorflow as tf
+
+    kwargs = {"apply_state": apply_state} if "apply_state" in optimizer._dense_apply_args else {}
+    return tf.group([optimizer._resource_apply_dense(g, v, **kwargs) for g, v in grads_and_vars])
+
+
+def optimizer_scalars(optimizer) -> list:
+    """A legacy optimizer's step counter and hyperparameter variables (its state other than slots)."""
+    import tensorflow as tf
+
+    return [optimizer.iterations] + [h for h in optimizer._hyper.values() if isinstance(h, tf.Variable)]
 
 
 def slot_table(optimizer) -> dict:

@@ -61,6 +61,9 @@ class TrainConfig:
       strict_resume: a resumed run whose input is not the one its checkpoint's input
         position was saved with (other files, format, batch, ...) stops with one line,
         instead of starting the new input from its beginning with a warning.
+      microbatches: the global batch is split into this many microbatches whose gradients
+        accumulate before one optimizer step (with a `stage` mesh axis, the pipeline's
+        microbatches; tfpod.pipeline).
     """
 
     steps: int = 100
@@ -79,6 +82,7 @@ class TrainConfig:
     on_nonfinite: str = "stop"
     max_nonfinite: int = 3
     strict_resume: bool = False
+    microbatches: int = 1
 
     def reached(self, result: Mapping[str, float]) -> bool:
         """Whether an eval result reaches the target (never without one)."""
@@ -92,7 +96,7 @@ class TrainConfig:
         return value <= self.target_value if lower_better else value >= self.target_value
 
     def __post_init__(self):
-        for field in ("steps", "global_batch_size", "steps_per_loop", "checkpoint_every", "log_every"):
+        for field in ("steps", "global_batch_size", "steps_per_loop", "checkpoint_every", "log_every", "microbatches"):
             if getattr(self, field) < 1:
                 raise UserError(f"train.{field}={getattr(self, field)} must be at least 1")
         if self.eval_every < 0:
@@ -123,7 +127,8 @@ class Controller:
         self.host_rows = placement.host_rows(config.global_batch_size, batch_axes)
         tokens = task.tokens_per_example(trainer.model_config)
         log.info("%s", meshlib.describe(placement.mesh, config.global_batch_size, tokens,
-                                        placement.batch_axis(batch_axes) or "data", placement.table.get("height")))
+                                        placement.batch_axis(batch_axes) or "data", placement.table.get("height"),
+                                        placement.num_stages, config.microbatches, trainer.schedule))
         summary = "\n".join(line for line in trainer.layout_report().splitlines() if line.startswith("#"))
         log.info("layouts (every variable: %s, written when training starts):\n%s",
                  os.path.join(model_dir, "layouts.txt"), summary)

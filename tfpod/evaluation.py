@@ -132,13 +132,22 @@ def host_sum(values, mesh: dtensor.Mesh) -> np.ndarray:
     return dtensor.unpack(reduced)[0].numpy()
 
 
-def make_eval_step(model, metric: Metric, model_inputs: Callable[[Mapping], object]):
-    """The compiled eval step: forward pass and the metric's sums, reduced over the mesh."""
+def make_eval_step(forward: Callable, metric: Metric, model_inputs: Callable[[Mapping], object],
+                   metric_batch: Callable[[object], Mapping] = lambda b: b):
+    """The compiled eval step: forward pass and the metric's sums, reduced over the mesh.
+
+    Args:
+      forward: model inputs -> outputs (the model called with training=False).
+      metric: the metric.
+      model_inputs: batch -> the model's inputs.
+      metric_batch: batch -> the features the metric reads (a pipeline's: the last stage's).
+    """
 
     @tf.function
     def eval_step(batch):
-        outputs = model(model_inputs(batch), training=False)
-        return {k: tf.cast(v, tf.float64) for k, v in metric.update(tf.cast(outputs, tf.float32), batch).items()}
+        outputs = forward(model_inputs(batch))
+        sums = metric.update(tf.cast(outputs, tf.float32), metric_batch(batch))
+        return {k: tf.cast(v, tf.float64) for k, v in sums.items()}
 
     return eval_step
 

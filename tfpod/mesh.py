@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import re
 
 from tensorflow.experimental import dtensor
@@ -97,15 +98,36 @@ def make_mesh(spec: str, device_type: str | None = None) -> dtensor.Mesh:
     return dtensor.create_mesh(list(zip(names, sizes)), device_type=device_type)
 
 
+def make_stage_meshes(spec: str, device_type: str | None = None) -> list[dtensor.Mesh]:
+    """The meshes of a spec: one global mesh, or with a `stage` axis one sub-mesh per
+    pipeline stage over the other axes (tfpod.partitioning.stages).
+
+    Raises:
+      UserError: as `parse_mesh_spec`, or a host's devices do not divide over the stages.
+    """
+    from tfpod.partitioning import stages
+
+    info = runtime.info()
+    axes = parse_mesh_spec(spec, info.num_global_devices)
+    num_stages, rest = stages.split_stage_axis(axes)
+    if stages.STAGE_AXIS not in dict(axes):
+        return [make_mesh(spec, device_type)]
+    if not rest:
+        raise UserError(f"--mesh={spec!r}: a stage needs other axes too, e.g. 'stage:2,data:-1'")
+    return stages.stage_meshes(rest, num_stages, device_type or info.device_type, info.num_clients, info.client_id,
+                               info.num_local_devices, os.environ.get("DTENSOR_JOB_NAME", "worker"))
+
+
 def axis_size(mesh: dtensor.Mesh, name: str) -> int:
     """Size of a mesh axis (1 when the mesh has no such axis)."""
     return mesh.dim_size(name) if name in mesh.dim_names else 1
 
 
 def describe(mesh: dtensor.Mesh, global_batch: int, seq_len: int | None, batch_axis: str = "data",
-             rows_axis: str | None = None) -> str:
+             rows_axis: str | None = None, stages: int = 1, microbatches: int = 1, schedule: str = "gpipe") -> str:
     """One start-up line: the mesh, global batch, per-device batch and tokens per step
-    (and how image rows split, when `rows_axis` splits them: the `spatial` preset).
+    (and how image rows split, when `rows_axis` splits them: the `spatial` preset; and
+    the pipeline: `mesh` is then one stage's).
 
     Raises:
       UserError: the global batch does not divide over the batch axis.
@@ -117,11 +139,16 @@ def describe(mesh: dtensor.Mesh, global_batch: int, seq_len: int | None, batch_a
             f"{batch_axis!r} of size {shards}: use a multiple of {shards}"
         )
     axes = ",".join(f"{n}:{mesh.dim_size(n)}" for n in mesh.dim_names)
+    devices = mesh.num_global_devices() if hasattr(mesh, "num_global_devices") else mesh.size
+    if stages > 1:
+        axes, devices = f"stage:{stages},{axes}", devices * stages
     text = (
-        f"mesh {axes} ({mesh.num_global_devices() if hasattr(mesh, 'num_global_devices') else mesh.size} "
-        f"{mesh.device_type()} devices); global batch {global_batch}; per-device batch "
+        f"mesh {axes} ({devices} {mesh.device_type()} devices); global batch {global_batch}; per-device batch "
         f"{global_batch // shards} (batch split {shards} ways over {batch_axis!r})"
     )
+    if stages > 1 or microbatches > 1:
+        text += (f"; {microbatches} microbatches of {global_batch // shards // microbatches} per device"
+                 + (f", {stages} pipeline stages ({schedule})" if stages > 1 else " (gradient accumulation)"))
     if rows_axis and axis_size(mesh, rows_axis) > 1:
         text += f"; image rows split {axis_size(mesh, rows_axis)} ways over {rows_axis!r}"
     if seq_len:

@@ -26,6 +26,7 @@ from tensorflow.experimental import dtensor
 from official.modeling.optimization import lamb, lars, legacy_adamw, lr_schedule
 
 from tfpod import UserError, compat, fused, partitioning
+from tfpod.partitioning import stages
 
 OPTIMIZERS = ("adamw", "lamb", "lars", "sgd")
 DECAYS = ("cosine", "linear", "polynomial", "rsqrt", "piecewise", "constant")
@@ -306,6 +307,10 @@ class Update:
             if s is not None:  # checkpoints (and get_slot) find the slots under the weight
                 slots[compat.var_key(v)] = slots.setdefault(compat.var_key(s), {})
 
+    def shadow_list(self) -> list:
+        """The sharded working copies of weights (weight-update sharding)."""
+        return [s for s in self.shadows if s is not None]
+
     @property
     def sharded(self) -> bool:
         """Whether any weight's update is sharded."""
@@ -313,18 +318,64 @@ class Update:
 
     def apply(self, grads: Sequence[tf.Tensor]):
         """One optimizer step (inside the compiled train step)."""
-        pairs = []
-        for g, v, s, layout, target in zip(grads, self.variables, self.shadows, self.layouts, self.shadow_layouts):
-            # Each gradient is put in its variable's (or working copy's) layout first: a
-            # gradient left in the layout DTensor propagated (e.g. sequence-sharded
-            # layer-norm gradients) crashed the optimizer's SPMD expansion.
-            pairs.append((dtensor.relayout(g, layout), v) if s is None else (dtensor.relayout(g, target), s))
-        applied = self.optimizer.apply_gradients(pairs)
+        applied = self.optimizer.apply_gradients(self._pairs(grads, range(len(self.variables))))
         # (runtime.initialize turns off DTensor's all-reduce combining, which reordered this)
         with tf.control_dependencies([applied]):
-            for v, s, layout in zip(self.variables, self.shadows, self.layouts):
-                if s is not None:
-                    v.assign(dtensor.relayout(s.read_value(), layout), read_value=False)  # all-gather
+            self._write_back(range(len(self.variables)))
+
+    def _pairs(self, grads: Sequence[tf.Tensor], indices) -> list:
+        # Each gradient is put in its variable's (or working copy's) layout first: a
+        # gradient left in the layout DTensor propagated (e.g. sequence-sharded
+        # layer-norm gradients) crashed the optimizer's SPMD expansion.
+        pairs = []
+        for j in indices:
+            g, v, s = grads[j], self.variables[j], self.shadows[j]
+            pairs.append((dtensor.relayout(g, self.layouts[j]), v) if s is None
+                         else (dtensor.relayout(g, self.shadow_layouts[j]), s))
+        return pairs
+
+    def _write_back(self, indices) -> None:
+        for j in indices:
+            if self.shadows[j] is not None:  # all-gather the updated shard back into the weight
+                self.variables[j].assign(dtensor.relayout(self.shadows[j].read_value(), self.layouts[j]),
+                                         read_value=False)
+
+    def follow_stages(self) -> None:
+        """Makes the step counter and hyperparameters (on the first stage) readable on every stage."""
+        for v in compat.optimizer_scalars(self.optimizer):
+            stages.follow_active_mesh(v)
+
+    def apply_on_stages(self, grads: Sequence[tf.Tensor], homes: Sequence[int], finite: tf.Tensor, placement) -> None:
+        """One optimizer step of a pipeline: each stage updates its own weights, all or none.
+
+        Args:
+          grads: per variable, its gradient (on its stage).
+          homes: per variable, its stage.
+          finite: the step's loss and gradient norm are finite (a scalar on the first stage):
+            else no stage applies its update (the step counter still advances).
+          placement: the stages.
+        """
+        scalars = compat.optimizer_scalars(self.optimizer)
+        with placement.stage_activations(0):  # the step's coefficients, computed where the step counter lives
+            coefficients = compat.prepare_updates(self.optimizer, self.variables)
+        for s in range(placement.num_stages):
+            mine = [j for j, h in enumerate(homes) if h == s]
+            if not mine:
+                continue
+            mesh = placement.stage(s).mesh
+            with placement.stage_activations(s), stages.prefetched(scalars, mesh):
+                ok = stages.to_mesh(finite, placement.mesh, dtensor.Layout.replicated(mesh, 0))
+                local = tf.nest.map_structure(
+                    lambda t: stages.to_mesh(t, placement.mesh, dtensor.Layout.replicated(mesh, t.shape.rank))
+                    if isinstance(t, tf.Tensor) else t, coefficients)
+
+                def apply(mine=mine, local=local):
+                    applied = compat.apply_updates(self.optimizer, self._pairs(grads, mine), local)
+                    with tf.control_dependencies([applied]):
+                        self._write_back(mine)
+
+                tf.cond(ok, apply, lambda: None)
+        self.optimizer.iterations.assign_add(1, read_value=False)
 
     def state_specs(self) -> tuple[list, dict]:
         """(VarSpecs, {name: Layout}) of the optimizer state, for the layout report.

@@ -97,6 +97,12 @@ class Task(abc.ABC):
         del context, host_batches
         return {}
 
+    def staged(self, model) -> "StagedModel | None":
+        """The model cut into pipeline pieces (a `stage` mesh axis, train.microbatches);
+        None: the task does not pipeline (the default)."""
+        del model
+        return None
+
     # -- serving --------------------------------------------------------------
 
     @abc.abstractmethod
@@ -147,6 +153,43 @@ class EvalContext:
     def host_sum(self, values) -> np.ndarray:
         """The sum over every host of a per-host vector (a collective: every host must call it)."""
         return evaluation.host_sum(values, self.placement.mesh)
+
+
+@dataclasses.dataclass(frozen=True)
+class StagedModel:
+    """A model cut for pipeline stages (`Task.staged`): what runs before, in and after its blocks.
+
+    The blocks divide into contiguous, equal stages; `first_layers`' weights live on the
+    first stage, `last_layers`' on the last (a weight read on another stage, as a tied
+    output layer reads the embedding, is copied there, and its gradient back).
+
+    Attributes:
+      first: (batch, training) -> x, the first block's input [batch, ...] (first stage).
+      context: batch -> what every block reads besides x (e.g. the attention mask), made
+        on each stage from the batch.
+      blocks: the blocks, in order.
+      block: (block, x, context, training) -> (x, aux loss): one block; aux is this
+        block's own term of the loss (e.g. MoE load balancing, already weighted) or None.
+      outputs: (x, batch) -> the model's outputs, as `Task.eval_metric` reads them (last stage).
+      loss: (x, batch, training) -> a microbatch's summed loss (e.g. the weighted sum of
+        token losses), without the blocks' aux terms (last stage).
+      loss_weight: batch -> a microbatch's loss denominator (e.g. the count of weighted
+        tokens): the batch's loss is sum(loss) / max(sum(loss_weight), 1) over its
+        microbatches, plus the blocks' aux terms averaged over the microbatches.
+      activation_axes: logical axes of x between blocks.
+      first_layers, last_layers: the layers whose weights live on the first / last stage.
+    """
+
+    first: Callable
+    context: Callable
+    blocks: Sequence
+    block: Callable
+    outputs: Callable
+    loss: Callable
+    loss_weight: Callable
+    activation_axes: tuple
+    first_layers: Sequence
+    last_layers: Sequence
 
 
 def check_task(task: Task) -> None:

@@ -23,7 +23,7 @@ import numpy as np
 import tensorflow as tf
 import tf_keras
 
-from tfpod import compat, evaluation, optimizers, partitioning, runtime
+from tfpod import compat, evaluation, optimizers, partitioning, pipeline, runtime
 from tfpod.partitioning import Placement
 from tfpod.task import EvalContext, Task
 
@@ -103,19 +103,27 @@ class Trainer:
       precision: float32, or mixed_bfloat16.
       seed: initialization and dropout.
       data_config: the task's data config, for its host-side eval metrics (EvalContext).
+      microbatches: microbatches per step; with pipeline stages (placement.stages) or
+        more than one, the step is tfpod.pipeline's.
+      schedule: the pipeline schedule, "gpipe" or "1f1b".
     """
 
     def __init__(self, task: Task, model_config, optimizer_config: optimizers.OptimizerConfig, placement: Placement,
                  total_steps: int, steps_per_loop: int, precision: str = "float32", seed: int = 0,
-                 data_config=None):
+                 data_config=None, microbatches: int = 1, schedule: str = "gpipe"):
         self.task, self.model_config, self.placement = task, model_config, placement
         self.data_config = data_config
         self.optimizer_name, self.steps_per_loop = optimizer_config.name, steps_per_loop
+        self.pipelined = placement.num_stages > 1 or microbatches > 1
+        self.schedule = schedule
+        stage_of = None
+        if self.pipelined:
+            stage_of = lambda model: pipeline.variable_stages(pipeline.staged_model(task, model), placement.num_stages)
         tf_keras.utils.set_random_seed(seed)
         with precision_policy(precision):
             self.model, self.specs, self.layouts = partitioning.build_sharded(
                 lambda: task.build(model_config), task.input_signature(model_config), placement.mesh,
-                task.axis_rules, placement.table)
+                task.axis_rules, placement.table, placement.stages, stage_of)
         self.gathered = partitioning.gather_when_used(self.model.trainable_variables, placement.gather_axis)
         self.optimizer = optimizers.build_optimizer(optimizer_config, total_steps)
         self.update = optimizers.Update(self.optimizer, self.model.trainable_variables, placement.mesh,
@@ -123,21 +131,34 @@ class Trainer:
         self.state_specs, self.state_layouts = self.update.state_specs()
         self.step = self.optimizer.iterations  # the global step
         self.dropout_layers = partitioning.replayable_dropout(self.model, self.step, seed)
+        self._eval_step = None
+        self.pipeline = None
+        if self.pipelined:
+            if placement.stages:
+                for v in self.model.variables:
+                    partitioning.stages.follow_active_mesh(v)
+                self.update.follow_stages()
+                for v in self.model.variables + optimizers.slot_variables(self.optimizer) + self.update.shadow_list():
+                    partitioning.stages.save_through(v, placement.mesh)
+            self.pipeline = pipeline.Pipeline(pipeline.staged_model(task, self.model), placement, self.update,
+                                              optimizer_config.clip_norm, schedule, microbatches)
+            return
         self._loop = make_train_loop(self.model, self.update, task.loss_and_metrics, optimizer_config.clip_norm,
                                      steps_per_loop)
-        self._eval_step = None
 
     def layout_report(self) -> str:
         """The layout report of the weights and the optimizer state (layouts.txt)."""
-        report = partitioning.layout_report(self.specs, self.layouts, title=f"{self.task.name} variables")
+        stages = self.placement.stages
+        report = partitioning.layout_report(self.specs, self.layouts, title=f"{self.task.name} variables",
+                                            stages=stages)
         sharded = f", update sharded over {self.placement.update_axis!r}" if self.update.sharded else ""
-        return report + "\n" + partitioning.layout_report(self.state_specs, self.state_layouts,
+        return report + "\n" + partitioning.layout_report(self.state_specs, self.state_layouts, stages=stages,
                                                           title=f"{self.optimizer_name} optimizer state{sharded}")
 
     @property
     def traces(self) -> int:
         """How many times the compiled train loop was traced (1 when it never recompiled)."""
-        return self._loop.experimental_get_tracing_count()
+        return self.pipeline.traces if self.pipeline else self._loop.experimental_get_tracing_count()
 
     def train_loop(self, host_stack: Mapping[str, np.ndarray], num_steps: int) -> tuple[np.ndarray, np.ndarray]:
         """Runs `num_steps` steps on this host's stacked batches [steps_per_loop, rows, ...].
@@ -145,14 +166,33 @@ class Trainer:
         Returns:
           (losses, gradient norms) of the steps, as host arrays [num_steps].
         """
+        if self.pipeline:
+            return self._pipelined_loop(host_stack, num_steps)
         stacked = self.placement.to_global(host_stack, self.task.batch_axes(), leading_dims=1)
         with self.placement.activations():
             losses, norms = self._loop(stacked, tf.constant(num_steps, tf.int32))
         return runtime.to_host(losses)[:num_steps], runtime.to_host(norms)[:num_steps]
 
+    def _pipelined_loop(self, host_stack: Mapping[str, np.ndarray], num_steps: int) -> tuple[np.ndarray, np.ndarray]:
+        """The pipeline's steps, one compiled call each (a loop over steps would span the stages' meshes)."""
+        losses, norms = [], []
+        for n in range(num_steps):
+            loss, norm = self.pipeline.train_step({k: v[n] for k, v in host_stack.items()}, self.task.batch_axes())
+            losses.append(runtime.to_host(loss))
+            norms.append(runtime.to_host(norm))
+        return np.asarray(losses, np.float32), np.asarray(norms, np.float32)
+
     def learning_rate(self) -> float:
         """The optimizer's learning rate at the current step."""
         return float(runtime.to_host(compat.decayed_lr(self.optimizer)))
+
+    def _make_eval_step(self):
+        task = self.task
+        if self.pipeline:
+            return evaluation.make_eval_step(self.pipeline.forward, task.eval_metric, lambda b: b,
+                                             metric_batch=lambda b: b[-1])
+        return evaluation.make_eval_step(lambda x: self.model(x, training=False), task.eval_metric,
+                                         task.model_inputs)
 
     def evaluate(self, host_batches: Sequence[Mapping[str, np.ndarray]], host_rows: int) -> dict:
         """One pass over this host's eval batches on the mesh: the task's metrics.
@@ -162,8 +202,10 @@ class Trainer:
         """
         task = self.task
         if self._eval_step is None:
-            self._eval_step = evaluation.make_eval_step(self.model, task.eval_metric, task.model_inputs)
+            self._eval_step = self._make_eval_step()
         to_device = lambda b: self.placement.to_global(b, task.batch_axes())
+        if self.pipeline:
+            to_device = lambda b: self.pipeline.to_device(b, task.batch_axes())
         info = runtime.info()
         context = EvalContext(self.model, self.model_config, self.placement, host_rows, info.client_id,
                               info.num_clients, self.data_config)

@@ -43,6 +43,7 @@ The modules, each usable on its own (this package re-exports their public names)
                update_layout (weight-update sharding); gather_when_used (`2d`)
   activations  shard / split / replicate of activations inside the compiled step
   spatial      convolutions and pooling on image rows split over a mesh axis (halo exchange)
+  stages       the `stage` axis: pipeline stages' sub-meshes, copies between them
   dropout      dropout masks a resumed run replays, the same on every replica
   placement    Placement: the mesh, the table, the update and gather axes, and which
                rows of the global batch each host feeds (host_rows, to_global, to_host)
@@ -50,7 +51,7 @@ The modules, each usable on its own (this package re-exports their public names)
 
 
 from tfpod.partitioning.activations import activation_sharding, active_context, replicate, shard, split
-from tfpod.partitioning import spatial
+from tfpod.partitioning import spatial, stages
 from tfpod.partitioning.build import (build_sharded, compute_layout, gather_when_used, gathered_weights, rows_split,
                                       update_layout, variable_specs)
 from tfpod.partitioning.dropout import random_layout, replayable_dropout

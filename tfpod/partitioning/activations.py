@@ -39,15 +39,30 @@ def active_context():
     return getattr(_ACTIVE, "value", None)
 
 
-def shard(x: tf.Tensor, axes: Sequence[str | None]) -> tf.Tensor:
-    """Annotates an activation with logical axes, one per dimension (GShard `shard`)."""
+def shard(x: tf.Tensor, axes: Sequence[str | None], identity_gradient: bool = False) -> tf.Tensor:
+    """Annotates an activation with logical axes, one per dimension (GShard `shard`).
+
+    `identity_gradient`: the gradient passes through as it comes instead of DTensor's
+    own (RelayoutLike), which fails SPMD expansion downstream of a reshape in a step
+    spanning several meshes (a pipeline's; "'tf.Reshape' op CopyToMeshOp must be used to
+    send data across mesh"). The values are the same; DTensor lays the gradient out where
+    it is used.
+    """
     active = active_context()
     if active is None:
         return x
     mesh, table = active
     if len(axes) != x.shape.rank:
         raise ValueError(f"shard: tensor of shape {x.shape} got {len(axes)} logical axes {tuple(axes)}")
-    return dtensor.relayout(x, layout_for(axes, table, mesh))
+    layout = layout_for(axes, table, mesh)
+    if not identity_gradient:
+        return dtensor.relayout(x, layout)
+
+    @tf.custom_gradient
+    def relaid(x):
+        return dtensor.relayout(x, layout), lambda dy: dy
+
+    return relaid(x)
 
 
 def split(x: tf.Tensor, dim: int, mesh_axis: str) -> tf.Tensor:

@@ -71,6 +71,8 @@ def build_sharded(
     mesh: dtensor.Mesh,
     axis_rules: Sequence[AxisRule],
     table: Mapping[str, str | None],
+    stage_meshes: Sequence[dtensor.Mesh] = (),
+    stage_of=None,
 ):
     """Builds a tf_keras model whose variables are DVariables laid out by the rules.
 
@@ -85,6 +87,9 @@ def build_sharded(
       mesh: the mesh.
       axis_rules: variable-path rules giving logical axes.
       table: logical axis -> mesh axis.
+      stage_meshes: pipeline stages' meshes (`mesh` is the first's); with them,
+      stage_of: lazy model -> {id of each variable: its stage} (tfpod.pipeline): each
+        variable is laid out by the rules on its stage's mesh.
 
     Returns:
       (model, specs, layouts): the built model, its VarSpecs and {name: Layout}.
@@ -94,6 +99,13 @@ def build_sharded(
     """
     model, pairs, by_id, specs = _lazy_build(model_fn, input_signature)
     layouts = resolve(specs, axis_rules, table, mesh)
+    if stage_meshes:
+        owner = stage_of(model)
+        for _, v in by_id.values():
+            if id(_unwrap(v)) not in owner:
+                raise ValueError(f"variable {_var_name(v)} belongs to no pipeline stage (StagedModel's layers)")
+            layouts[_var_name(v)] = dtensor.Layout(list(layouts[_var_name(v)].sharding_specs),
+                                                   stage_meshes[owner[id(_unwrap(v))]])
     path_layouts = {path: layouts[_var_name(v)] for path, v in pairs}
 
     class _Exact(compat.layout_map_lib().LayoutMap):

@@ -9,7 +9,9 @@ DTensor's per-device seeds right (see there).
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import threading
 import zlib
 from typing import Sequence
 
@@ -49,9 +51,25 @@ def random_layout(shape: Sequence[int | None], mesh: dtensor.Mesh) -> dtensor.La
     return dtensor.Layout(specs, mesh)
 
 
+_MICROBATCH = threading.local()
+
+
+@contextlib.contextmanager
+def microbatch(index: int):
+    """Within this context dropout masks are drawn for microbatch `index` of the step (a pipeline's)."""
+    previous = getattr(_MICROBATCH, "index", 0)
+    _MICROBATCH.index = index
+    try:
+        yield
+    finally:
+        _MICROBATCH.index = previous
+
+
 def _step_seed(step: tf.Variable, layer_seed: int) -> tf.Tensor:
-    """The stateless seed of one dropout layer at the current step: [layer_seed, step]."""
-    return tf.stack([tf.constant(layer_seed, tf.int64), tf.cast(step, tf.int64)])
+    """The stateless seed of one dropout layer at the current step (and microbatch):
+    [layer_seed + microbatch * 2^32, step]."""
+    offset = getattr(_MICROBATCH, "index", 0) << 32
+    return tf.stack([tf.constant(layer_seed + offset, tf.int64), tf.cast(step, tf.int64)])
 
 
 def _dropout(seed_fn, inputs: tf.Tensor, rate, noise_shape=None) -> tf.Tensor:

@@ -21,6 +21,7 @@ import tensorflow as tf
 from tensorflow.experimental import dtensor
 
 from tfpod import UserError
+from tfpod.partitioning import stages
 from tfpod.partitioning.activations import activation_sharding
 from tfpod.partitioning.rules import ShardingConfig, check_mesh_axes, layout_for
 
@@ -77,19 +78,42 @@ class Placement:
         out like each weight).
       gather_axis: mesh axis whose weight shards are gathered where a layer uses them
         (the `2d` preset; None: weights are used as stored).
+      stages: the pipeline stages' sub-meshes (tfpod.partitioning.stages), first to last;
+        empty without a `stage` axis. `mesh` is then the first stage's: every host has
+        devices in every stage, so host-wide collectives and the data layout use it.
     """
 
     mesh: dtensor.Mesh
     table: Mapping[str, str | None]
     update_axis: str | None = None
     gather_axis: str | None = None
+    stages: tuple = ()
+
+    @property
+    def num_stages(self) -> int:
+        return max(1, len(self.stages))
+
+    def stage(self, index: int) -> "Placement":
+        """This placement on one stage's mesh (itself without stages)."""
+        if not self.stages:
+            return self
+        return dataclasses.replace(self, mesh=self.stages[index], stages=())
+
+    @contextlib.contextmanager
+    def stage_activations(self, index: int):
+        """The activation context of one stage (`activations` on its mesh, in `stages.stage_scope`)."""
+        with activation_sharding(self.stage(index).mesh, self.table), stages.stage_scope():
+            yield
 
     @classmethod
-    def from_config(cls, config: ShardingConfig, default_preset: str, mesh: dtensor.Mesh, check: bool = True
-                    ) -> Placement:
-        """The placement `sharding.*` asks for on `mesh`; a mesh axis nothing uses is an error (`check`)."""
+    def from_config(cls, config: ShardingConfig, default_preset: str, mesh, check: bool = True) -> Placement:
+        """The placement `sharding.*` asks for on `mesh` (or on a list of pipeline stages'
+        meshes); a mesh axis nothing uses is an error (`check`)."""
+        stages = tuple(mesh) if isinstance(mesh, (list, tuple)) else ()
+        if stages:
+            mesh = stages[0]
         placement = cls(mesh, config.table(default_preset), config.optimizer_axis(default_preset),
-                        config.gather_axis(default_preset))
+                        config.gather_axis(default_preset), stages if len(stages) > 1 else ())
         if check:
             check_mesh_axes(mesh, placement.table, (placement.update_axis, placement.gather_axis),
                             preset=config.preset or default_preset,

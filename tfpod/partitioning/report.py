@@ -34,9 +34,19 @@ def layout_report(
     specs: Iterable[VarSpec],
     layouts: Mapping[str, dtensor.Layout],
     title: str = "variables",
+    stages: Sequence[dtensor.Mesh] = (),
 ) -> str:
-    """A table: variable, global shape, layout, bytes per device; then totals."""
+    """A table: variable, global shape, layout, bytes per device; then totals.
+
+    With pipeline `stages` (their meshes), a stage column, the mesh shown as
+    `stage:N,<each stage's axes>`, and each stage's totals per device.
+    """
     specs = list(specs)
+    stage_of = {}
+    if stages:
+        from tfpod.partitioning.stages import stage_index
+
+        stage_of = {s.name: stage_index(layouts[s.name], stages) for s in specs}
     rows = []
     total_params = total_bytes = device_bytes = 0
     for s in specs:
@@ -46,20 +56,29 @@ def layout_report(
         total_params += n
         total_bytes += n * s.dtype.size
         device_bytes += per_dev
-        rows.append((s.name, shape_text(s.shape), "[" + ", ".join(layout.sharding_specs) + "]", _human(per_dev)))
-    header = ("variable", "global shape", "layout", "bytes/device")
-    widths = [max(len(r[i]) for r in rows + [header]) for i in range(4)]
+        row = (s.name, shape_text(s.shape), "[" + ", ".join(layout.sharding_specs) + "]", _human(per_dev))
+        rows.append(row + ((str(stage_of[s.name]),) if stages else ()))
+    header = ("variable", "global shape", "layout", "bytes/device") + (("stage",) if stages else ())
+    widths = [max(len(r[i]) for r in rows + [header]) for i in range(len(header))]
     mesh = next(iter(layouts.values())).mesh if layouts else None
+    axes = ",".join(f"{n}:{mesh.dim_size(n)}" for n in mesh.dim_names) if mesh else ""
+    if stages:
+        axes = f"stage:{len(stages)},{axes}"
     lines = [
-        f"# {title}"
-        + (f" on mesh {','.join(f'{n}:{mesh.dim_size(n)}' for n in mesh.dim_names)}" if mesh else ""),
+        f"# {title}" + (f" on mesh {axes}" if mesh else ""),
         "  ".join(h.ljust(w) for h, w in zip(header, widths)),
     ]
     lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths)) for r in rows]
+    per_stage = [sum(bytes_per_device(s.shape, s.dtype, layouts[s.name]) for s in specs if stage_of[s.name] == i)
+                 for i in range(len(stages))]
     lines.append(
         f"# total: {len(specs)} variables, {total_params:,} parameters, {_human(total_bytes)}; "
-        f"per device: {_human(device_bytes)}"
+        f"per device: {_human(max(per_stage) if stages else device_bytes)}" + (" (the largest stage)" if stages else "")
     )
+    for i in range(len(stages)):
+        held = [s for s in specs if stage_of[s.name] == i]
+        lines.append(f"# stage {i}: {len(held)} variables, {sum(math.prod(s.shape) for s in held):,} parameters; "
+                     f"per device: {_human(per_stage[i])}")
     for axis in (mesh.dim_names if mesh else []):
         split = [s for s in specs if axis in layouts[s.name].sharding_specs]
         if split:

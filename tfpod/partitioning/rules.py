@@ -213,6 +213,9 @@ def resolve(
     return layouts
 
 
+PIPELINE_SCHEDULES = ("gpipe", "1f1b")
+
+
 @dataclasses.dataclass
 class ShardingConfig:
     """Attributes map 1:1 to gin `sharding.<name>`.
@@ -224,12 +227,21 @@ class ShardingConfig:
         the sequence (Megatron sequence parallelism).
       update_axis: mesh axis to shard the optimizer state and update over (None: the
         preset's, see UPDATE_AXIS; "" for none).
+      pipeline_schedule: with a `stage` mesh axis, the order each stage runs its
+        microbatches in: "gpipe" (all forwards, then all backwards) or "1f1b" (one
+        forward, one backward: at most `stage` microbatches' activations alive).
     """
 
     preset: str | None = None
     rules: Mapping[str, str | None] | None = None
     sequence_parallel: bool = False
     update_axis: str | None = None
+    pipeline_schedule: str = "gpipe"
+
+    def __post_init__(self):
+        if self.pipeline_schedule not in PIPELINE_SCHEDULES:
+            raise UserError(f"sharding.pipeline_schedule={self.pipeline_schedule!r}: use one of "
+                            f"{', '.join(PIPELINE_SCHEDULES)}")
 
     def table(self, default_preset: str) -> dict[str, str | None]:
         overrides = dict(self.rules or {})

@@ -1,0 +1,228 @@
+"""Pipeline stages on 8 logical CPU devices: the same losses as data parallelism, every schedule.
+
+Each pipelined run starts from the same seed and global batch as the `data:8` run, so its
+losses must equal that run's (relative 1e-4) step by step, for M microbatches in 1, 2, 4,
+8 on `stage:2,data:4`, `stage:2,data:2,model:2` and `stage:4,data:2`, under both
+schedules and with the presets, sequence parallelism and recomputation inside the stages.
+Checkpoints move between pipelined and unpipelined meshes both ways; 2 hosts (each
+holding part of every stage) are killed with -9 mid-run and resume exactly.
+"""
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import time
+
+import numpy as np
+import pytest
+
+from conftest import ROOT, launch_command, main_py, make_run
+from tfpod import UserError, optimizers
+from tfpod.controller import TrainConfig
+from tfpod.models import gpt, moe
+from tfpod.partitioning import ShardingConfig, stages
+from tfpod.pipeline import check_microbatches, schedules, split_microbatches
+
+SMALL = dict(vocab_size=256, seq_len=32, num_layers=4, embed_dim=64, num_heads=8, mlp_dim=128)
+
+
+def make(model_dir, spec, microbatches=1, schedule="gpipe", steps=4, preset="tensor", task=gpt.TASK, config=None,
+         **sharding):
+    train = TrainConfig(steps=steps, global_batch_size=16, steps_per_loop=2, log_every=2, checkpoint_every=2,
+                        synthetic_data=True, seed=1, microbatches=microbatches)
+    opt = optimizers.OptimizerConfig(learning_rate=1e-2, warmup_steps=0, decay_steps=8)
+    return make_run(task, config or gpt.GPTConfig(**SMALL), train, opt, spec, model_dir, preset=preset,
+                    pipeline_schedule=schedule, **sharding)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """The data-parallel run (checkpoints at steps 2 and 4) and its losses."""
+    d = tmp_path_factory.mktemp("data")
+    run = make(d, "data:8")
+    return d, run, np.array(run.train()["losses"])
+
+
+def assert_same_losses(losses, reference_losses):
+    np.testing.assert_allclose(np.asarray(losses), reference_losses, rtol=1e-4)
+
+
+# -- the same math --------------------------------------------------------------------------
+
+@pytest.mark.parametrize("spec,microbatches,schedule,options", [
+    ("stage:2,data:4", 2, "gpipe", {}),
+    ("stage:2,data:2,model:2", 4, "1f1b", {"sequence_parallel": True, "remat": True}),
+    ("stage:4,data:2", 8, "1f1b", {}),
+    ("stage:4,data:2", 1, "gpipe", {"preset": "data"}),
+], ids=["stage2-data4-M2-gpipe", "stage2-data2-model2-M4-1f1b-sp-remat", "stage4-data2-M8-1f1b",
+        "stage4-data2-M1-gpipe-data"])
+def test_pipelines_train_the_data_parallel_losses(tmp_path, reference, spec, microbatches, schedule, options):
+    options = dict(options)
+    config = gpt.GPTConfig(**SMALL, remat=options.pop("remat", False))
+    run = make(tmp_path, spec, microbatches, schedule, config=config, **options)
+    assert_same_losses(run.train()["losses"], reference[2])
+    report = run.trainer.layout_report()
+    num_stages = int(spec.split(",")[0].split(":")[1])
+    assert f"on mesh {spec}" in report and "# stage 1:" in report
+    rows = [line.split() for line in report.splitlines() if line.startswith("gpt/block_")]
+    held = {row[0]: int(row[-1]) for row in rows}  # the block's stage (the last column)
+    assert held["gpt/block_0/output/kernel"] == 0 and held["gpt/block_3/output/kernel"] == num_stages - 1
+
+
+def test_checkpoints_move_between_pipelined_and_unpipelined_meshes(tmp_path, reference):
+    ref_dir, ref_run, ref_losses = reference
+    # data:8's step-2 checkpoint goes on in a 1F1B pipeline ...
+    shutil.copytree(ref_dir / "checkpoints", tmp_path / "a" / "checkpoints")
+    for f in (tmp_path / "a" / "checkpoints").glob("ckpt-4*"):
+        f.unlink()
+    a = make(tmp_path / "a", "stage:2,data:2,model:2", 2, "1f1b")
+    assert a.restore() == 2
+    assert_same_losses(a.train()["losses"], ref_losses[2:])
+    # ... and the pipeline's step-2 checkpoint goes on in data:8.
+    for f in (tmp_path / "a" / "checkpoints").glob("ckpt-4*"):
+        f.unlink()
+    b = make(tmp_path / "b", "data:8")
+    shutil.copytree(tmp_path / "a" / "checkpoints", tmp_path / "b" / "checkpoints")
+    assert b.restore() == 2
+    assert_same_losses(b.train()["losses"], ref_losses[2:])
+
+    # Evaluation runs through the stages: the same metrics as the unpipelined model's (both at step 4).
+    rng = np.random.default_rng(3)
+    batches = [gpt.TASK.synthetic_batch(a.trainer.model_config, 16, rng) for _ in range(2)]
+    piped, plain = a.trainer.evaluate(batches, 16), b.trainer.evaluate(batches, 16)
+    assert piped["num_examples"] == plain["num_examples"] == 32
+    np.testing.assert_allclose(piped["loss"], plain["loss"], rtol=1e-5)
+
+
+def test_moe_pipelines_with_its_aux_loss(tmp_path):
+    config = moe.MoEConfig(vocab_size=256, seq_len=32, num_layers=4, embed_dim=64, num_heads=8, mlp_dim=128,
+                           num_experts=4, expert_mlp_dim=64, moe_every=2, group_size=16)
+    plain = make(tmp_path / "plain", "data:8", task=moe.TASK, config=config, preset="data", steps=2)
+    piped = make(tmp_path / "piped", "stage:2,data:4", 2, "1f1b", task=moe.TASK, config=config, preset="data", steps=2)
+    assert_same_losses(piped.train()["losses"], np.array(plain.train()["losses"]))
+
+
+def test_a_layer_count_the_stages_do_not_divide_and_a_task_that_does_not_pipeline(tmp_path):
+    with pytest.raises(UserError, match=r"sharding.preset='2d' inside pipeline stages .* is not supported"):
+        make(tmp_path / "c", "stage:2,data:4", preset="2d")
+    with pytest.raises(UserError, match=r"an update sharded over 'data' inside pipeline stages"):
+        make(tmp_path / "d", "stage:2,data:4", preset="weight_update")
+    with pytest.raises(UserError, match=r"3 blocks do not divide into 2 equal stages"):
+        make(tmp_path / "a", "stage:2,data:4", config=gpt.GPTConfig(**{**SMALL, "num_layers": 3}))
+    from tfpod.models import resnet
+
+    with pytest.raises(UserError, match=r"model 'resnet' does not run in pipeline stages.*gpt"):
+        make_run(resnet.TASK, resnet.ResNetConfig(depth=18, depth_multiplier=0.25, num_classes=10, image_size=32),
+                 TrainConfig(global_batch_size=16, synthetic_data=True, microbatches=2),
+                 optimizers.OptimizerConfig(name="sgd", weight_decay=0), "stage:2,data:4", tmp_path / "b")
+
+
+# -- schedules and microbatches, without devices ------------------------------------------------
+
+@pytest.mark.unit
+@pytest.mark.parametrize("num_stages,microbatches", [(1, 1), (2, 1), (2, 4), (3, 5), (4, 2), (4, 8)])
+def test_schedules_run_every_action_once_with_their_memory_and_bubble(num_stages, microbatches):
+    for name in schedules.SCHEDULES:
+        plan = schedules.schedule(name, num_stages, microbatches)
+        events = schedules.timeline(plan)  # a deadlock raises
+        for s in range(num_stages):
+            ran = sorted(a for _, stage, a in events if stage == s)
+            assert ran == sorted([("F", i) for i in range(microbatches)] + [("B", i) for i in range(microbatches)])
+        alive = [schedules.in_flight(actions) for actions in plan]
+        expected = [microbatches] * num_stages if name == "gpipe" else [min(num_stages - s, microbatches)
+                                                                        for s in range(num_stages)]
+        assert alive == expected
+        assert schedules.measured_bubble(plan) == pytest.approx(schedules.bubble_fraction(num_stages, microbatches))
+
+
+@pytest.mark.unit
+def test_microbatches_take_rows_of_every_batch_shard():
+    rows = np.arange(16)[:, None] * np.ones((1, 3), int)  # host rows 0..15, two shards of 8
+    split = split_microbatches({"x": rows}, 4, local_shards=2)["x"]
+    assert split.shape == (4, 4, 3)
+    assert split[1, :, 0].tolist() == [2, 3, 10, 11]  # the 2nd quarter of each shard
+    with pytest.raises(UserError, match=r"train.microbatches=3 does not divide the 8 examples each batch shard"):
+        check_microbatches(16, 2, 3)
+
+
+@pytest.mark.unit
+def test_stage_settings_are_checked():
+    with pytest.raises(UserError, match="sharding.pipeline_schedule='zigzag'"):
+        ShardingConfig(pipeline_schedule="zigzag")
+    with pytest.raises(UserError, match="train.microbatches=0 must be at least 1"):
+        TrainConfig(microbatches=0)
+    with pytest.raises(UserError, match="3 stages over 4 devices per host"):
+        stages.stage_meshes([("data", 2)], 3, "CPU", 2, 0, 4)
+    assert stages.split_stage_axis([("stage", 2), ("data", 4)]) == (2, [("data", 4)])
+
+
+@pytest.mark.unit
+def test_every_stage_takes_a_share_of_every_host():
+    """Host 1 of 2 (4 devices): stage s holds its devices 2s and 2s+1, data shard 1 of each stage."""
+    meshes = stages.stage_meshes([("data", 2), ("model", 2)], 2, "CPU", 2, 1, 4)
+    assert [m.local_devices() for m in meshes] == [
+        [f"/job:worker/replica:0/task:1/device:CPU:{i}" for i in (0, 1)],
+        [f"/job:worker/replica:0/task:1/device:CPU:{i}" for i in (2, 3)]]
+    assert [loc["data"] for loc in meshes[1].local_device_locations()] == [1, 1]
+
+
+# -- two hosts, kill -9 --------------------------------------------------------------------------
+
+HOSTS = ["--gin_file=gin/lm_tiny.gin", "--mesh=stage:2,data:2,model:2"]
+PARAMS = ["gpt.num_layers=2", "gpt.embed_dim=64", "gpt.mlp_dim=128", "train.global_batch_size=16",
+          "train.steps_per_loop=2", "train.log_every=1", "train.checkpoint_every=2", "train.microbatches=2",
+          "sharding.pipeline_schedule='1f1b'", "optimizer.decay_steps=8", "optimizer.warmup_steps=0",
+          "train.synthetic_data=True"]
+
+
+def logged_losses(model_dir):
+    out = {}
+    for line in open(os.path.join(model_dir, "metrics.jsonl")):
+        record = json.loads(line)
+        if record.get("kind") == "train":
+            out[record["step"]] = record["loss"]  # a step replayed after the kill keeps its last value
+    return out
+
+
+def host_pids(model_dir) -> list[int]:
+    """The processes of the hosts training in model_dir (their env names a DTensor client)."""
+    pids = []
+    for pid in os.listdir("/proc"):
+        try:
+            env = open(f"/proc/{pid}/environ", "rb").read()
+            cmdline = open(f"/proc/{pid}/cmdline", "rb").read()
+        except OSError:
+            continue
+        if b"DTENSOR_CLIENT_ID=" in env and str(model_dir).encode() in cmdline:
+            pids.append(int(pid))
+    return pids
+
+
+def test_two_hosts_pipeline_killed_and_resumed_equals_one_unpipelined_process(tmp_path):
+    args = lambda d, steps: [f"--model_dir={d}"] + [f"--gin_param={p}" for p in PARAMS + [f"train.steps={steps}"]]
+    one = main_py("--cpu_devices=8", "--gin_file=gin/lm_tiny.gin", "--mesh=data:8", *args(tmp_path / "one", 24))
+    assert one.returncode == 0, one.stderr[-2000:]
+
+    d = tmp_path / "two"
+    first = subprocess.Popen(launch_command(2, 4, *HOSTS, *args(d, 200)), cwd=ROOT, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 300
+    while time.time() < deadline and first.poll() is None and not os.path.exists(d / "checkpoints" / "ckpt-4.index"):
+        time.sleep(0.2)
+    for pid in host_pids(d):  # every host, mid-run; the launcher then stops
+        os.kill(pid, signal.SIGKILL)
+    first.communicate(timeout=60)
+    saved = max(int(f.name[5:-6]) for f in (d / "checkpoints").glob("ckpt-*.index"))
+    end = saved + 4
+    assert 4 <= saved and end <= 24
+    second = subprocess.run(launch_command(2, 4, *HOSTS, *args(d, end)), cwd=ROOT, capture_output=True, text=True,
+                            timeout=600)
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert "stage:2,data:2,model:2" in second.stdout and "2 pipeline stages (1f1b)" in second.stdout
+    assert f"at step {saved}" in second.stdout
+    reference, resumed = logged_losses(tmp_path / "one"), logged_losses(d)
+    assert sorted(resumed)[-1] == end and all(s in resumed for s in range(1, end + 1))
+    np.testing.assert_allclose([resumed[s] for s in range(1, end + 1)], [reference[s] for s in range(1, end + 1)],
+                               rtol=1e-5)

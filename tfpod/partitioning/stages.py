@@ -1,0 +1,221 @@
+"""Pipeline stages: the `stage` mesh axis as disjoint sub-meshes, and moving tensors between them.
+
+`--mesh=stage:2,data:2,model:2` splits the devices into 2 stage sub-meshes, each a
+`data:2,model:2` mesh: a model's blocks divide into contiguous, equal stages (the
+embeddings with the first, the output layer and loss with the last), each stage's
+weights and optimizer state live only on its sub-mesh, and activations cross between
+stages with `dtensor.copy_to_mesh` inside the compiled step (tfpod.pipeline runs the
+schedule).
+
+What DTensor allows, and so how the sub-meshes are drawn (the probes: docs/benchmarks.md):
+  * A copy between meshes is of a replicated layout: a batch-sharded tensor is relaid
+    out replicated on its mesh, copied, and relaid out on the target mesh (`to_mesh`);
+    a direct copy of a sharded layout fails SPMD expansion on CPU and GPU.
+  * A copy needs the same hosts on both sides ("Send and receive hosts don't match",
+    dtensor_op_spmd_expander.cc): every stage therefore takes an equal share of every
+    host's devices (stage s: local devices [s*k, (s+1)*k) of each host, k = local
+    devices / stages), and one stage per host is not possible.
+  * Each sub-mesh numbers its devices 0..n-1 (ids offset per stage crashed the step
+    that copies back and forth: "stack smashing detected").
+
+A variable read on a stage other than its own (the tied embedding the last stage's
+output layer multiplies; the step counter dropout and the optimizer read) is copied to
+the reading stage (`follow_active_mesh`), and its gradient flows back through the copy.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import threading
+from typing import Sequence
+
+import numpy as np
+import tensorflow as tf
+from tensorflow.experimental import dtensor
+
+from tfpod import UserError, compat
+from tfpod.partitioning.activations import active_context
+
+STAGE_AXIS = "stage"
+
+
+def split_stage_axis(axes: Sequence[tuple[str, int]]) -> tuple[int, list[tuple[str, int]]]:
+    """(number of stages, the other axes) of a resolved mesh spec; 1 stage without a `stage` axis."""
+    stages = dict(axes).get(STAGE_AXIS, 1)
+    return stages, [(n, s) for n, s in axes if n != STAGE_AXIS]
+
+
+def stage_meshes(axes: Sequence[tuple[str, int]], num_stages: int, device_type: str, num_clients: int,
+                 client_id: int, num_local_devices: int, job: str = "worker") -> list[dtensor.Mesh]:
+    """The stage sub-meshes: each a mesh of `axes` over an equal share of every host's devices.
+
+    Args:
+      axes: [(name, size)] of each stage's mesh (the spec without `stage`).
+      num_stages: stages.
+      device_type: "CPU", "GPU" or "TPU".
+      num_clients, client_id, num_local_devices: the job's hosts, this host, its devices.
+      job: the multi-client job name (DTENSOR_JOB_NAME).
+
+    Raises:
+      UserError: a host's devices do not divide over the stages.
+    """
+    if num_local_devices % num_stages:
+        raise UserError(f"--mesh: {num_stages} stages over {num_local_devices} devices per host: every stage takes an "
+                        f"equal share of each host's devices (DTensor copies between meshes only within a host), so "
+                        f"make the stage count divide {num_local_devices}")
+    per_host = num_local_devices // num_stages
+    names, sizes = [n for n, _ in axes], [s for _, s in axes]
+    ids = np.arange(math.prod(sizes)).reshape(sizes)
+    local_ids = list(range(client_id * per_host, (client_id + 1) * per_host))
+
+    def device(client: int, index: int) -> str:
+        if num_clients == 1:
+            return f"/job:localhost/replica:0/task:0/device:{device_type}:{index}"
+        return f"/job:{job}/replica:0/task:{client}/device:{device_type}:{index}"
+
+    # (no `global_devices`: copies stay within a host, and DTensor drops them from the
+    # mesh it gives a checkpoint's file-name ops, which then no longer match the stage's)
+    return [dtensor.Mesh(names, ids, local_ids, [device(client_id, s * per_host + i) for i in range(per_host)])
+            for s in range(num_stages)]
+
+
+_IN_STAGE = threading.local()
+
+
+@contextlib.contextmanager
+def stage_scope():
+    """Marks the ops built inside as one pipeline stage's, in a step spanning several meshes."""
+    previous = getattr(_IN_STAGE, "on", False)
+    _IN_STAGE.on = True
+    try:
+        yield
+    finally:
+        _IN_STAGE.on = previous
+
+
+def in_stage() -> bool:
+    """Whether the ops being built are a pipeline stage's (`stage_scope`)."""
+    return getattr(_IN_STAGE, "on", False)
+
+
+def blocks_per_stage(num_blocks: int, num_stages: int, what: str = "blocks") -> int:
+    """Blocks each stage holds; a count the stages do not divide is one UserError."""
+    if num_blocks % num_stages:
+        raise UserError(f"--mesh: {num_blocks} {what} do not divide into {num_stages} equal stages: use a stage count "
+                        f"that divides {num_blocks} (or change the layer count)")
+    return num_blocks // num_stages
+
+
+def same_mesh(a: dtensor.Mesh, b: dtensor.Mesh) -> bool:
+    return a is b or a.to_string() == b.to_string()
+
+
+def to_mesh(x: tf.Tensor, source: dtensor.Mesh, layout: dtensor.Layout) -> tf.Tensor:
+    """x (a DTensor on mesh `source`) on `layout`: relaid out replicated, copied, relaid out.
+
+    The copy's gradient is the reverse copy, so gradients flow back to x's stage.
+    """
+    if same_mesh(source, layout.mesh):
+        return dtensor.relayout(x, layout)
+    rank = len(layout.sharding_specs)
+    replicated = dtensor.relayout(x, dtensor.Layout.replicated(source, rank))
+    copied = dtensor.copy_to_mesh(replicated, dtensor.Layout.replicated(layout.mesh, rank))
+    return dtensor.relayout(copied, layout)
+
+
+def moved(layout: dtensor.Layout, mesh: dtensor.Mesh) -> dtensor.Layout:
+    """The same sharding on another stage's mesh."""
+    return dtensor.Layout(list(layout.sharding_specs), mesh)
+
+
+_PREFETCHED = threading.local()
+
+
+def follow_active_mesh(variable) -> None:
+    """Makes reads of a (D)Variable inside another stage's activation context copies on that stage.
+
+    Outside any context (checkpoints, the host loop) and on its own stage a read is the
+    variable's value as stored. Inside `prefetched` a read returns the copy made on
+    entering it, with no read op: a branch of a tf.cond must stay on one mesh.
+    """
+    inner = compat.inner_variable(variable)
+    home = inner.layout
+
+    def reader(read):
+        active = active_context()
+        if active is None or same_mesh(active[0], home.mesh):
+            return read()
+        early = getattr(_PREFETCHED, "values", {}).get((id(inner), active[0].to_string()))
+        if early is not None:
+            return early
+        return to_mesh(read(), home.mesh, moved(home, active[0]))
+
+    compat.intercept_variable_reads(inner, reader)
+
+
+@contextlib.contextmanager
+def prefetched(variables: Sequence, mesh: dtensor.Mesh):
+    """Within this context, reads of `variables` (made to `follow_active_mesh`) on `mesh`'s stage
+    return copies made now, on entering it (before a tf.cond whose branches read them)."""
+    values = {}
+    for v in variables:
+        inner = compat.inner_variable(v)
+        home = inner.layout
+        if not same_mesh(home.mesh, mesh):
+            active = active_context()
+            value = inner.read_value()  # a copy on the active stage when it is `mesh`'s (see the reader)
+            if active is None or not same_mesh(active[0], mesh):
+                value = to_mesh(value, home.mesh, moved(home, mesh))
+            values[(id(inner), mesh.to_string())] = value
+    previous = getattr(_PREFETCHED, "values", {})
+    _PREFETCHED.values = {**previous, **values}
+    try:
+        yield
+    finally:
+        _PREFETCHED.values = previous
+
+
+def stage_index(layout: dtensor.Layout, meshes: Sequence[dtensor.Mesh]) -> int:
+    """Which stage's mesh a layout is on."""
+    for i, mesh in enumerate(meshes):
+        if same_mesh(layout.mesh, mesh):
+            return i
+    raise ValueError(f"layout on a mesh that is not a stage: {layout.mesh}")
+
+
+def save_through(variable, mesh: dtensor.Mesh) -> None:
+    """Makes checkpoints write and read `variable` (a DVariable on another stage) on `mesh`.
+
+    One checkpoint save or restore names its file on one mesh (DTensor places the
+    shard's file name on the first mesh, and an op may not read two meshes), so every
+    stage's variables are saved through the first stage: each is copied there in its
+    own sharding when the checkpoint is written, and copied back when it is read. The
+    checkpoint's keys and values are those of an unpipelined run, so checkpoints move
+    between pipelined and unpipelined meshes both ways.
+    """
+    inner = compat.inner_variable(variable)
+    own = inner.layout
+    if same_mesh(own.mesh, mesh):
+        return
+    host = mesh if mesh.device_type().upper() == "CPU" else mesh.host_mesh()
+    target = moved(own, host)
+
+    class Saveable(compat.saveable_object_class()):
+        def __init__(self, name):
+            n = host.num_local_devices()
+            scalar = dtensor.Layout.replicated(host, 0)
+            # the copy is made now, eagerly: TF's save function then holds no variable of
+            # another stage, whose mesh DTensor would take for the file-name ops
+            value = to_mesh(inner.read_value(), own.mesh, target)
+            spec = compat.dtensor_save_spec()(
+                tensor=value,
+                slice_spec=dtensor.pack([""] * n, scalar), name=dtensor.pack([name] * n, scalar),
+                global_shape=inner.shape, layout=target.to_string(), dtype=inner.dtype, device=inner.device)
+            super().__init__(None, [spec], name)
+
+        def restore(self, restored_tensors, restored_shapes):
+            del restored_shapes
+            return inner.assign(to_mesh(restored_tensors[0], host, own))
+
+    compat.set_checkpoint_saveable(inner, Saveable)

@@ -1,0 +1,251 @@
+"""The pipelined train step and eval forward: a StagedModel run over stage sub-meshes.
+
+One tf.function holds the whole schedule. Every (stage, microbatch) forward runs under
+its own GradientTape on its stage's mesh; its output is copied to the next stage
+(`stages.to_mesh`), and its backward is that tape's gradient given the next stage's
+input gradient, so the backward reuses the forward's activations. DTensor splits the
+function into one program per mesh that run concurrently and exchange the copies, so a
+stage computes while the others do; what orders a stage's own actions is the schedule:
+each action's entry tensor (a forward's input, a backward's incoming gradient) waits on
+the previous action of that stage (`tf.control_dependencies`), so under 1F1B the next
+forward cannot start, and allocate, before the backward that frees a microbatch.
+
+Gradients accumulate over the microbatches; then the global norm (clipping) and the
+finiteness check are computed across the stages, and every stage applies its own
+weights' update (tfpod.optimizers.Update.apply_on_stages) before the step counter
+advances once.
+"""
+
+from __future__ import annotations
+
+from typing import Mapping, Sequence
+
+import numpy as np
+import tensorflow as tf
+from tensorflow.experimental import dtensor
+
+from tfpod import UserError, compat
+from tfpod.partitioning import Placement, gathered_weights, layout_for, local_shards, shard, stages
+from tfpod.partitioning.dropout import microbatch
+from tfpod.pipeline import schedules
+from tfpod.task import StagedModel
+
+
+def variable_stages(staged: StagedModel, num_stages: int) -> dict[int, int]:
+    """{id of each (inner) weight: its stage}: first_layers' on the first, the blocks in
+    contiguous equal runs, last_layers' on the last.
+
+    Raises:
+      UserError: the blocks do not divide into the stages.
+    """
+    per = stages.blocks_per_stage(len(staged.blocks), num_stages)
+    owner = {}
+
+    def assign(layers, stage):
+        for layer in layers:
+            for w in layer.weights:
+                owner.setdefault(id(compat.inner_variable(w)), stage)
+
+    assign(staged.first_layers, 0)
+    for i, block in enumerate(staged.blocks):
+        assign([block], i // per)
+    assign(staged.last_layers, num_stages - 1)
+    return owner
+
+
+def split_microbatches(host_batch: Mapping[str, np.ndarray], microbatches: int, local_shards: int
+                       ) -> dict[str, np.ndarray]:
+    """A host batch [rows, ...] as [microbatches, rows / microbatches, ...].
+
+    The host's rows are `local_shards` equal blocks, one per batch shard it feeds;
+    microbatch i takes the i-th slice of every block, so each microbatch is split over
+    the batch axis like the whole batch.
+    """
+    out = {}
+    for name, value in host_batch.items():
+        value = np.asarray(value)
+        rows = value.shape[0]
+        per = rows // local_shards // microbatches
+        blocks = value.reshape((local_shards, microbatches, per) + value.shape[1:])  # [shards, M, per, ...]
+        out[name] = np.swapaxes(blocks, 0, 1).reshape((microbatches, local_shards * per) + value.shape[1:])
+    return out
+
+
+def check_microbatches(global_batch: int, batch_shards: int, microbatches: int) -> None:
+    """The per-shard batch must divide into the microbatches (one UserError line otherwise)."""
+    per_shard = global_batch // batch_shards
+    if per_shard % microbatches:
+        raise UserError(f"train.microbatches={microbatches} does not divide the {per_shard} examples each batch shard "
+                        f"holds (train.global_batch_size={global_batch} over {batch_shards} shards): use a divisor "
+                        f"of {per_shard}, or a larger global batch")
+
+
+class Pipeline:
+    """A StagedModel over the placement's stages: its compiled train step and eval forward.
+
+    Args:
+      staged: the model cut into pieces (Task.staged).
+      placement: the mesh's stages (one stage: gradient accumulation over microbatches).
+      update: the optimizer update (its state created on the stages).
+      clip_norm: global-norm clipping (None or 0: off).
+      schedule: "gpipe" or "1f1b".
+      microbatches: microbatches per step.
+    """
+
+    def __init__(self, staged: StagedModel, placement: Placement, update, clip_norm: float | None, schedule: str,
+                 microbatches: int):
+        self.staged, self.placement, self.update = staged, placement, update
+        self.clip_norm, self.microbatches = clip_norm, microbatches
+        self.num_stages = p = placement.num_stages
+        per = stages.blocks_per_stage(len(staged.blocks), p)
+        self.stage_blocks = [staged.blocks[s * per:(s + 1) * per] for s in range(p)]
+        self.meshes = [placement.stage(s).mesh for s in range(p)]
+        self.actions = schedules.schedule(schedule, p, microbatches)
+        self.order = [(s, action) for _, s, action in schedules.timeline(self.actions)]
+        self.variables = list(update.variables)
+        self.homes = [self.home(v) for v in self.variables]
+        self._step = tf.function(self._train_step, autograph=False)
+        self._forward = None
+
+    def home(self, variable) -> int:
+        """The stage a variable lives on."""
+        return stages.stage_index(compat.inner_variable(variable).layout, self.meshes)
+
+    def activation_layout(self, s: int) -> dtensor.Layout:
+        return layout_for(self.staged.activation_axes, self.placement.table, self.meshes[s])
+
+    def scalar_on(self, x: tf.Tensor, source: int, s: int) -> tf.Tensor:
+        """A scalar on stage `source` copied to stage s."""
+        return stages.to_mesh(x, self.meshes[source], dtensor.Layout.replicated(self.meshes[s], 0))
+
+    # -- host side ----------------------------------------------------------------
+
+    def to_device(self, host_batch: Mapping[str, np.ndarray], feature_axes, leading_dims: int = 0) -> list[dict]:
+        """This host's batch packed on every stage's mesh (each stage reads the features it needs)."""
+        return [self.placement.stage(s).to_global(host_batch, feature_axes, leading_dims=leading_dims)
+                for s in range(self.num_stages)]
+
+    def train_step(self, host_batch: Mapping[str, np.ndarray], feature_axes) -> tuple[tf.Tensor, tf.Tensor]:
+        """One optimizer step on this host's rows of a global batch: (loss, gradient norm) DTensors."""
+        axis = self.placement.batch_axis(tuple(feature_axes[next(iter(host_batch))]))
+        split = split_microbatches(host_batch, self.microbatches, len(local_shards(self.placement.mesh, axis)))
+        return self._step(self.to_device(split, feature_axes, leading_dims=1))
+
+    @property
+    def traces(self) -> int:
+        return self._step.experimental_get_tracing_count()
+
+    # -- the compiled step ----------------------------------------------------------
+
+    def _train_step(self, stage_batches: Sequence[Mapping[str, tf.Tensor]]):
+        grads, objectives = self._forwards_and_backwards(stage_batches)
+        return self._finish(grads, objectives)
+
+    def _forwards_and_backwards(self, stage_batches: Sequence[Mapping[str, tf.Tensor]]) -> tuple[list, dict]:
+        """The schedule's actions: (per variable its gradient summed over the microbatches,
+        {(stage, microbatch): that forward's own loss term or None})."""
+        staged, p, m = self.staged, self.num_stages, self.microbatches
+        last = p - 1
+        take = lambda s, i: {k: v[i] for k, v in stage_batches[s].items()}
+        with self.placement.stage_activations(last):
+            denominator = tf.maximum(tf.add_n([staged.loss_weight(take(last, i)) for i in range(m)]), 1.0)
+        tapes, inputs, outputs, objectives, input_grads = {}, {}, {}, {}, {}
+        grads = [None] * len(self.variables)
+        previous = [[] for _ in range(p)]  # what the stage's last action produced
+        for s, (kind, i) in self.order:
+            with self.placement.stage_activations(s), microbatch(i):
+                if kind == "F":
+                    x_in = None if s == 0 else stages.to_mesh(outputs[(s - 1, i)], self.meshes[s - 1], self.activation_layout(s))
+                    batch = take(s, i)
+                    with tf.control_dependencies(previous[s]):
+                        if s == 0:
+                            batch = {k: tf.identity(v) for k, v in batch.items()}
+                        else:
+                            x_in = tf.identity(x_in)
+                    tape = tf.GradientTape()
+                    with tape, gathered_weights():  # the `2d` preset's weights gathered where the blocks use them
+                        if x_in is not None:
+                            tape.watch(x_in)
+                        x = staged.first(batch, True) if s == 0 else x_in
+                        context = staged.context(batch)
+                        aux = []
+                        for block in self.stage_blocks[s]:
+                            x, a = staged.block(block, x, context, True)
+                            x = shard(x, staged.activation_axes)
+                            if a is not None:
+                                aux.append(tf.cast(a, tf.float32))
+                        objective = tf.add_n(aux) / m if aux else None
+                        if s == last:
+                            head = tf.cast(staged.loss(x, batch, True), tf.float32) / denominator
+                            objective = head if objective is None else objective + head
+                    tapes[(s, i)], inputs[(s, i)], outputs[(s, i)], objectives[(s, i)] = tape, x_in, x, objective
+                    previous[s] = [x] + ([objective] if objective is not None else [])
+                else:
+                    dy = None if s == last else stages.to_mesh(input_grads[(s + 1, i)], self.meshes[s + 1], self.activation_layout(s))
+                    objective = objectives[(s, i)]
+                    with tf.control_dependencies(previous[s]):
+                        dy = None if dy is None else tf.identity(dy)
+                        one = None if objective is None else tf.ones_like(objective)
+                    targets = ([outputs[(s, i)]] if dy is not None else []) + ([objective] if one is not None else [])
+                    seeds = ([dy] if dy is not None else []) + ([one] if one is not None else [])
+                    tape = tapes.pop((s, i))
+                    watched = {id(compat.inner_variable(w)) for w in tape.watched_variables()}
+                    used = [j for j, v in enumerate(self.variables) if id(compat.inner_variable(v)) in watched]
+                    sources = ([inputs[(s, i)]] if s > 0 else []) + [self.variables[j] for j in used]
+                    result = tape.gradient(targets, sources, output_gradients=seeds)
+                    if s > 0:
+                        input_grads[(s, i)], result = result[0], result[1:]
+                    own = []
+                    for j, g in zip(used, result):
+                        if g is None:
+                            continue
+                        g = tf.convert_to_tensor(g)  # IndexedSlices -> dense
+                        grads[j] = g if grads[j] is None else grads[j] + g
+                        if self.homes[j] == s:
+                            own.append(grads[j])
+                    previous[s] = ([input_grads[(s, i)]] if s > 0 else []) + own
+                    inputs.pop((s, i), None)
+
+        missing = [v.name for v, g in zip(self.variables, grads) if g is None]
+        if missing:
+            raise ValueError(f"pipeline: no gradient reaches {missing[:3]}")
+        return grads, objectives
+
+    def _finish(self, grads: list, objectives: Mapping) -> tuple[tf.Tensor, tf.Tensor]:
+        """The step's loss (last stage) and gradient norm (first stage); clipping; the updates."""
+        p, last = self.num_stages, self.num_stages - 1
+        squares, losses = [], []
+        for s in range(p):
+            with self.placement.stage_activations(s):
+                mine = [tf.reduce_sum(tf.square(tf.cast(g, tf.float32))) for g, h in zip(grads, self.homes) if h == s]
+                if mine:
+                    squares.append(self.scalar_on(tf.add_n(mine), s, 0))
+                parts = [o for (t, _), o in objectives.items() if t == s and o is not None]
+                if parts:
+                    losses.append(self.scalar_on(tf.add_n(parts), s, last))
+        norm = tf.sqrt(tf.add_n(squares))
+        loss = tf.add_n(losses)
+        finite = tf.math.is_finite(self.scalar_on(loss, last, 0)) & tf.math.is_finite(norm)
+        if self.clip_norm:
+            scale = self.clip_norm / tf.maximum(norm, self.clip_norm)
+            scales = [self.scalar_on(scale, 0, s) for s in range(p)]
+            grads = [g * tf.cast(scales[h], g.dtype) for g, h in zip(grads, self.homes)]
+        self.update.apply_on_stages(grads, self.homes, finite, self.placement)
+        return loss, norm
+
+    # -- evaluation ---------------------------------------------------------------
+
+    def forward(self, stage_batches: Sequence[Mapping[str, tf.Tensor]]) -> tf.Tensor:
+        """The model's outputs (StagedModel.outputs, on the last stage) of one batch, no microbatches."""
+        staged, last = self.staged, self.num_stages - 1
+        x = None
+        for s in range(self.num_stages):
+            with self.placement.stage_activations(s):
+                batch = stage_batches[s]
+                x = staged.first(batch, False) if s == 0 else stages.to_mesh(x, self.meshes[s - 1], self.activation_layout(s))
+                context = staged.context(batch)
+                for block in self.stage_blocks[s]:
+                    x, _ = staged.block(block, x, context, False)
+                    x = shard(x, staged.activation_axes)
+        with self.placement.stage_activations(last):
+            return staged.outputs(x, stage_batches[last])
