@@ -7,7 +7,7 @@ input gradient, so the backward reuses the forward's activations. DTensor splits
 function into one program per mesh that run concurrently and exchange the copies, so a
 stage computes while the others do; what orders a stage's own actions is the schedule:
 each action's entry tensor (a forward's input, a backward's incoming gradient) waits on
-the previous action of that stage (`tf.control_dependencies`), so under 1F1B the next
+the previous action of that stage (`after`: a data dependency), so under 1F1B the next
 forward cannot start, and allocate, before the backward that frees a microbatch.
 
 Gradients accumulate over the microbatches; then the global norm (clipping) and the
@@ -78,6 +78,18 @@ def check_microbatches(global_batch: int, batch_shards: int, microbatches: int) 
         raise UserError(f"train.microbatches={microbatches} does not divide the {per_shard} examples each batch shard "
                         f"holds (train.global_batch_size={global_batch} over {batch_shards} shards): use a divisor "
                         f"of {per_shard}, or a larger global batch")
+
+
+def after(x: tf.Tensor, previous: Sequence[tf.Tensor]) -> tf.Tensor:
+    """x, made to wait for `previous` (what the stage's last action produced) by a data
+    dependency: x + 0 * sum(the smallest of them). DTensor's passes do not keep control
+    edges (with `tf.control_dependencies` 1F1B held as many activations as GPipe); a
+    step that is NaN anyway becomes NaN here too, and is skipped as it would be."""
+    if not previous:
+        return x
+    smallest = min(previous, key=lambda t: t.shape.num_elements() or 0)
+    gate = tf.reduce_sum(tf.cast(smallest, tf.float32)) * 0.0
+    return x + tf.cast(gate, x.dtype)
 
 
 class Pipeline:
@@ -157,16 +169,13 @@ class Pipeline:
                 if kind == "F":
                     x_in = None if s == 0 else stages.to_mesh(outputs[(s - 1, i)], self.meshes[s - 1], self.activation_layout(s))
                     batch = take(s, i)
-                    with tf.control_dependencies(previous[s]):
-                        if s == 0:
-                            batch = {k: tf.identity(v) for k, v in batch.items()}
-                        else:
-                            x_in = tf.identity(x_in)
+                    if x_in is not None:
+                        x_in = after(x_in, previous[s])
                     tape = tf.GradientTape()
                     with tape, gathered_weights():  # the `2d` preset's weights gathered where the blocks use them
                         if x_in is not None:
                             tape.watch(x_in)
-                        x = staged.first(batch, True) if s == 0 else x_in
+                        x = after(staged.first(batch, True), previous[s]) if s == 0 else x_in
                         context = staged.context(batch)
                         aux = []
                         for block in self.stage_blocks[s]:
@@ -183,9 +192,8 @@ class Pipeline:
                 else:
                     dy = None if s == last else stages.to_mesh(input_grads[(s + 1, i)], self.meshes[s + 1], self.activation_layout(s))
                     objective = objectives[(s, i)]
-                    with tf.control_dependencies(previous[s]):
-                        dy = None if dy is None else tf.identity(dy)
-                        one = None if objective is None else tf.ones_like(objective)
+                    dy = None if dy is None else after(dy, previous[s])
+                    one = None if objective is None else after(tf.ones_like(objective), previous[s])
                     targets = ([outputs[(s, i)]] if dy is not None else []) + ([objective] if one is not None else [])
                     seeds = ([dy] if dy is not None else []) + ([one] if one is not None else [])
                     tape = tapes.pop((s, i))
