@@ -1,6 +1,6 @@
 """Pipeline stages: the measured bubble, GPipe's and 1F1B's activation memory, tokens/s against data parallelism.
 
-    python bench/pipeline.py [--parts=bubble,memory,hosts] [--steps=5] [--verbose]
+    python bench/pipeline.py [--parts=bubble,memory,equality,hosts] [--steps=5] [--verbose]
 
 Every measurement is its own process (a fresh TensorFlow runtime); the model is a GPT
 (4 blocks, embed 256, 8 heads, mlp 1024, vocab 2048) on synthetic batches.
@@ -19,13 +19,17 @@ Every measurement is its own process (a fresh TensorFlow runtime); the model is 
            activations together, and per device their mean), against the schedules'
            activations alive at once (schedules.in_flight: M per stage for GPipe, p - s
            for 1F1B).
+  equality every M in 1, 2, 4, 8 on `stage:2,data:4`, `stage:2,data:2,model:2` and
+           `stage:4,data:2`, under both schedules, against `data:8` (8 logical devices, one
+           process; the tests' model and settings, global batch 32): the largest relative loss difference
+           over 4 steps (tests/test_pipeline.py runs a subset of these in the suite).
   hosts    2 local hosts x 2 devices through tfpod.launch: `stage:2,data:2` (1F1B, M=4)
            against `data:4`, tokens/s from metrics.jsonl (the mean after the compiling
            step). Each host holds one device of each stage (DTensor copies between
            meshes only within a host: tfpod.partitioning.stages), so the stages' copies
            stay inside a process and the hosts exchange the data-parallel gradients.
 
-The last line is one JSON object: {"bubble": [...], "memory": {...}, "hosts": {...}}.
+The last line is one JSON object: {"bubble": [...], "memory": {...}, "equality": {...}, "hosts": {...}}.
 """
 
 from __future__ import annotations
@@ -42,6 +46,27 @@ from workers import run_worker  # bench/workers.py (scripts run from bench/)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MODEL = dict(vocab_size=2048, num_layers=4, embed_dim=256, num_heads=8, mlp_dim=1024)
+
+
+def equality_worker() -> dict:
+    """Every mesh x M x schedule against data:8, in this process (8 logical devices)."""
+    sys.path.insert(0, os.path.join(ROOT, "tests"))
+    import numpy as np
+
+    import tfpod  # noqa: F401
+    from tfpod import runtime
+
+    runtime.initialize(cpu_devices=8, device_type="CPU")
+    from test_pipeline import make  # the tests' model, batch and optimizer
+
+    reference = np.array(make(tempfile.mkdtemp(), "data:8", batch=32).train()["losses"])
+    out = {}
+    for spec in ("stage:2,data:4", "stage:2,data:2,model:2", "stage:4,data:2"):
+        for m in (1, 2, 4, 8):
+            for schedule in ("gpipe", "1f1b"):
+                losses = np.array(make(tempfile.mkdtemp(), spec, m, schedule, batch=32).train()["losses"])
+                out[f"{spec} M={m} {schedule}"] = float(np.max(np.abs(losses - reference) / np.abs(reference)))
+    return {"max_relative_difference": out, "worst": max(out.values())}
 
 
 def worker(args) -> dict:
@@ -153,18 +178,20 @@ def hosts(args) -> dict:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--parts", default="bubble,memory,hosts")
+    p.add_argument("--parts", default="bubble,memory,equality,hosts")
     p.add_argument("--steps", type=int, default=5, help="timed steps per run")
     p.add_argument("--verbose", action="store_true")
-    p.add_argument("--worker", choices=("bubble", "memory"), help=argparse.SUPPRESS)
+    p.add_argument("--worker", choices=("bubble", "memory", "equality"), help=argparse.SUPPRESS)
     p.add_argument("--microbatches", type=int, default=1, help=argparse.SUPPRESS)
     p.add_argument("--schedule", default="gpipe", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.worker:
-        print(json.dumps(worker(args)))
+        print(json.dumps(equality_worker() if args.worker == "equality" else worker(args)))
         return
     sys.path.insert(0, ROOT)
-    parts = {"bubble": bubble, "memory": memory, "hosts": hosts}
+    equality = lambda a: run_worker([sys.executable, __file__, "--worker=equality"], "pipeline", "equality", ROOT,
+                                    a.verbose)
+    parts = {"bubble": bubble, "memory": memory, "equality": equality, "hosts": hosts}
     result = {name: parts[name](args) for name in args.parts.split(",")}
     result["date"] = time.strftime("%Y-%m-%d")
     print(json.dumps(result))

@@ -21,6 +21,18 @@ _ACTIVE = threading.local()
 
 
 @contextlib.contextmanager
+def scoped(store: threading.local, name: str, value):
+    """Sets `store.<name>` to `value` inside the context, restoring what it was after (the
+    thread-local switches of partitioning: gathered weights, a pipeline stage, a microbatch)."""
+    previous = getattr(store, name, None)
+    setattr(store, name, value)
+    try:
+        yield
+    finally:
+        setattr(store, name, previous)
+
+
+@contextlib.contextmanager
 def activation_sharding(mesh: dtensor.Mesh, table: Mapping[str, str | None]):
     """Within this context `shard`/`split`/`replicate` relayout activations on `mesh`.
 

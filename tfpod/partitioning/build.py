@@ -17,6 +17,7 @@ import tensorflow as tf
 from tensorflow.experimental import dtensor
 
 from tfpod import compat
+from tfpod.partitioning.activations import scoped
 from tfpod.partitioning.rules import AxisRule, VarSpec, resolve
 
 # Materializing a Keras model as sharded DVariables
@@ -154,12 +155,8 @@ _GATHERING = threading.local()
 @contextlib.contextmanager
 def gathered_weights():
     """Within this context, weights installed by `gather_when_used` read gathered."""
-    prev = getattr(_GATHERING, "on", False)
-    _GATHERING.on = True
-    try:
+    with scoped(_GATHERING, "on", True):
         yield
-    finally:
-        _GATHERING.on = prev
 
 
 def compute_layout(layout: dtensor.Layout, axis: str) -> dtensor.Layout:

@@ -19,7 +19,7 @@ import tensorflow as tf
 from tensorflow.experimental import dtensor
 
 from tfpod import compat
-from tfpod.partitioning.activations import active_context
+from tfpod.partitioning.activations import active_context, scoped
 
 
 def random_layout(shape: Sequence[int | None], mesh: dtensor.Mesh) -> dtensor.Layout:
@@ -57,18 +57,14 @@ _MICROBATCH = threading.local()
 @contextlib.contextmanager
 def microbatch(index: int):
     """Within this context dropout masks are drawn for microbatch `index` of the step (a pipeline's)."""
-    previous = getattr(_MICROBATCH, "index", 0)
-    _MICROBATCH.index = index
-    try:
+    with scoped(_MICROBATCH, "index", index):
         yield
-    finally:
-        _MICROBATCH.index = previous
 
 
 def _step_seed(step: tf.Variable, layer_seed: int) -> tf.Tensor:
     """The stateless seed of one dropout layer at the current step (and microbatch):
     [layer_seed + microbatch * 2^32, step]."""
-    offset = getattr(_MICROBATCH, "index", 0) << 32
+    offset = (getattr(_MICROBATCH, "index", None) or 0) << 32
     return tf.stack([tf.constant(layer_seed + offset, tf.int64), tf.cast(step, tf.int64)])
 
 

@@ -35,7 +35,7 @@ import tensorflow as tf
 from tensorflow.experimental import dtensor
 
 from tfpod import UserError, compat
-from tfpod.partitioning.activations import active_context
+from tfpod.partitioning.activations import active_context, scoped
 
 STAGE_AXIS = "stage"
 
@@ -86,17 +86,13 @@ _IN_STAGE = threading.local()
 @contextlib.contextmanager
 def stage_scope():
     """Marks the ops built inside as one pipeline stage's, in a step spanning several meshes."""
-    previous = getattr(_IN_STAGE, "on", False)
-    _IN_STAGE.on = True
-    try:
+    with scoped(_IN_STAGE, "on", True):
         yield
-    finally:
-        _IN_STAGE.on = previous
 
 
 def in_stage() -> bool:
     """Whether the ops being built are a pipeline stage's (`stage_scope`)."""
-    return getattr(_IN_STAGE, "on", False)
+    return bool(getattr(_IN_STAGE, "on", False))
 
 
 def blocks_per_stage(num_blocks: int, num_stages: int, what: str = "blocks") -> int:
@@ -146,7 +142,7 @@ def follow_active_mesh(variable) -> None:
         active = active_context()
         if active is None or same_mesh(active[0], home.mesh):
             return read()
-        early = getattr(_PREFETCHED, "values", {}).get((id(inner), active[0].to_string()))
+        early = (getattr(_PREFETCHED, "values", None) or {}).get((id(inner), active[0].to_string()))
         if early is not None:
             return early
         return to_mesh(read(), home.mesh, moved(home, active[0]))
@@ -168,12 +164,8 @@ def prefetched(variables: Sequence, mesh: dtensor.Mesh):
             if active is None or not same_mesh(active[0], mesh):
                 value = to_mesh(value, home.mesh, moved(home, mesh))
             values[(id(inner), mesh.to_string())] = value
-    previous = getattr(_PREFETCHED, "values", {})
-    _PREFETCHED.values = {**previous, **values}
-    try:
+    with scoped(_PREFETCHED, "values", {**(getattr(_PREFETCHED, "values", None) or {}), **values}):
         yield
-    finally:
-        _PREFETCHED.values = previous
 
 
 def stage_index(layout: dtensor.Layout, meshes: Sequence[dtensor.Mesh]) -> int:
