@@ -1,9 +1,10 @@
 """Pipeline stages on 8 logical CPU devices: the same losses as data parallelism, every schedule.
 
 Each pipelined run starts from the same seed and global batch as the `data:8` run, so its
-losses must equal that run's (relative 1e-4) step by step, for M microbatches in 1, 2, 4,
-8 on `stage:2,data:4`, `stage:2,data:2,model:2` and `stage:4,data:2`, under both
-schedules and with the presets, sequence parallelism and recomputation inside the stages.
+losses must equal that run's (relative 1e-4) step by step: here M microbatches in 1, 2, 4,
+8 on `stage:2,data:4` (MoE), `stage:2,data:2,model:2` and `stage:4,data:2`, both
+schedules, sequence parallelism and recomputation inside the stages (`bench/pipeline.py
+--parts=equality` runs every mesh x M x schedule).
 Checkpoints move between pipelined and unpipelined meshes both ways; 2 hosts (each
 holding part of every stage) are killed with -9 mid-run and resume exactly.
 """
@@ -52,10 +53,9 @@ def assert_same_losses(losses, reference_losses):
 # -- the same math --------------------------------------------------------------------------
 
 @pytest.mark.parametrize("spec,microbatches,schedule,options", [
-    ("stage:2,data:4", 2, "gpipe", {}),
     ("stage:2,data:2,model:2", 4, "1f1b", {"sequence_parallel": True, "remat": True}),
-    ("stage:4,data:2", 8, "1f1b", {}),
-], ids=["stage2-data4-M2-gpipe", "stage2-data2-model2-M4-1f1b-sp-remat", "stage4-data2-M8-1f1b"])
+    ("stage:4,data:2", 8, "gpipe", {}),
+], ids=["stage2-data2-model2-M4-1f1b-sp-remat", "stage4-data2-M8-gpipe"])
 def test_pipelines_train_the_data_parallel_losses(tmp_path, reference, spec, microbatches, schedule, options):
     options = dict(options)
     config = gpt.GPTConfig(**SMALL, remat=options.pop("remat", False))
@@ -200,7 +200,7 @@ def host_pids(model_dir) -> list[int]:
 
 def test_two_hosts_pipeline_killed_and_resumed_equals_one_unpipelined_process(tmp_path):
     args = lambda d, steps: [f"--model_dir={d}"] + [f"--gin_param={p}" for p in PARAMS + [f"train.steps={steps}"]]
-    one = main_py("--cpu_devices=8", "--gin_file=gin/lm_tiny.gin", "--mesh=data:8", *args(tmp_path / "one", 24))
+    one = main_py("--cpu_devices=8", "--gin_file=gin/lm_tiny.gin", "--mesh=data:8", *args(tmp_path / "one", 16))
     assert one.returncode == 0, one.stderr[-2000:]
 
     d = tmp_path / "two"
@@ -214,7 +214,7 @@ def test_two_hosts_pipeline_killed_and_resumed_equals_one_unpipelined_process(tm
     first.communicate(timeout=60)
     saved = max(int(f.name[5:-6]) for f in (d / "checkpoints").glob("ckpt-*.index"))
     end = saved + 4
-    assert 4 <= saved and end <= 24
+    assert 4 <= saved and end <= 16
     second = subprocess.run(launch_command(2, 4, *HOSTS, *args(d, end)), cwd=ROOT, capture_output=True, text=True,
                             timeout=600)
     assert second.returncode == 0, second.stderr[-3000:]

@@ -36,6 +36,7 @@ import tensorflow as tf
 from tensorflow.experimental import dtensor
 
 from tfpod import UserError, compat, preemption, runtime
+from tfpod.partitioning import stages
 
 log = logging.getLogger("tfpod")
 
@@ -103,6 +104,7 @@ class CheckpointManager:
         try:
             with self._mesh():
                 self._ckpt.restore(path).assert_existing_objects_matched()
+            stages.apply_restored()  # pipeline stages' variables, read through the first stage
         except (AssertionError, ValueError) as e:
             raise UserError(f"checkpoint {path} is not of this model ({first_line(e)}); {fix}") from None
 
@@ -422,8 +424,7 @@ class InputCheckpoint:
             return self._cannot(step, f"the input changed since checkpoint step {step} "
                                       f"({source_changes(stored, self.source)})", strict, "skipped")
         try:
-            with self._mesh():
-                self._ckpt.restore(path).assert_existing_objects_matched()
+            self._ckpt.restore(path).assert_existing_objects_matched()
         except (tf.errors.OpError, AssertionError, ValueError) as e:
             return self._cannot(step, f"the input position saved at step {step} does not fit this input pipeline "
                                       f"({first_line(e)})", strict, "failed")

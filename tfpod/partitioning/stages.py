@@ -176,15 +176,21 @@ def stage_index(layout: dtensor.Layout, meshes: Sequence[dtensor.Mesh]) -> int:
     raise ValueError(f"layout on a mesh that is not a stage: {layout.mesh}")
 
 
+_RESTORED: list = []  # (variable, its first-stage holder) read by the latest restore
+
+
 def save_through(variable, mesh: dtensor.Mesh) -> None:
     """Makes checkpoints write and read `variable` (a DVariable on another stage) on `mesh`.
 
-    One checkpoint save or restore names its file on one mesh (DTensor places the
-    shard's file name on the first mesh, and an op may not read two meshes), so every
-    stage's variables are saved through the first stage: each is copied there in its
-    own sharding when the checkpoint is written, and copied back when it is read. The
-    checkpoint's keys and values are those of an unpipelined run, so checkpoints move
-    between pipelined and unpipelined meshes both ways.
+    One checkpoint save or restore names its files on one mesh (DTensor places the
+    file-name ops on the mesh of the first variable its save or restore function holds,
+    and an op may not read two meshes), so every stage's variables are saved and read
+    through the first stage: when a checkpoint is written or read, each is copied there in
+    its own sharding, into a holder variable; a restore reads into the holders, and
+    `apply_restored` copies them back. The checkpoint's keys and values are those of an
+    unpipelined run, so checkpoints move between pipelined and unpipelined meshes both ways.
+    While a checkpoint is written or read, the first stage's devices also hold the other
+    stages' state.
     """
     inner = compat.inner_variable(variable)
     own = inner.layout
@@ -195,19 +201,27 @@ def save_through(variable, mesh: dtensor.Mesh) -> None:
 
     class Saveable(compat.saveable_object_class()):
         def __init__(self, name):
+            # made eagerly, now: TF's save and restore functions then hold no variable of another stage
+            self.holder = dtensor.DVariable(to_mesh(inner.read_value(), own.mesh, target), trainable=False)
             n = host.num_local_devices()
             scalar = dtensor.Layout.replicated(host, 0)
-            # the copy is made now, eagerly: TF's save function then holds no variable of
-            # another stage, whose mesh DTensor would take for the file-name ops
-            value = to_mesh(inner.read_value(), own.mesh, target)
             spec = compat.dtensor_save_spec()(
-                tensor=value,
+                tensor=self.holder.read_value,
                 slice_spec=dtensor.pack([""] * n, scalar), name=dtensor.pack([name] * n, scalar),
                 global_shape=inner.shape, layout=target.to_string(), dtype=inner.dtype, device=inner.device)
             super().__init__(None, [spec], name)
 
         def restore(self, restored_tensors, restored_shapes):
             del restored_shapes
-            return inner.assign(to_mesh(restored_tensors[0], host, own))
+            _RESTORED.append((inner, self.holder))
+            return self.holder.assign(restored_tensors[0])
 
     compat.set_checkpoint_saveable(inner, Saveable)
+
+
+def apply_restored() -> None:
+    """Copies what the latest checkpoint restore read into the first stage's holders to
+    their variables on the other stages (`save_through`)."""
+    while _RESTORED:
+        inner, holder = _RESTORED.pop()
+        inner.assign(to_mesh(holder.read_value(), holder.layout.mesh, inner.layout))
