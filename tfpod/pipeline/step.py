@@ -31,14 +31,19 @@ from tfpod.pipeline import schedules
 from tfpod.task import StagedModel
 
 
-def variable_stages(staged: StagedModel, num_stages: int) -> dict[int, int]:
-    """{id of each (inner) weight: its stage}: first_layers' on the first, the blocks in
-    contiguous equal runs, last_layers' on the last.
+def stage_blocks(staged: StagedModel, num_stages: int) -> list[list]:
+    """Each stage's blocks: contiguous, equal runs.
 
     Raises:
       UserError: the blocks do not divide into the stages.
     """
     per = stages.blocks_per_stage(len(staged.blocks), num_stages)
+    return [list(staged.blocks[s * per:(s + 1) * per]) for s in range(num_stages)]
+
+
+def variable_stages(staged: StagedModel, num_stages: int) -> dict[int, int]:
+    """{id of each (inner) weight: its stage}: first_layers' on the first, the blocks'
+    on theirs (`stage_blocks`), last_layers' on the last."""
     owner = {}
 
     def assign(layers, stage):
@@ -47,8 +52,8 @@ def variable_stages(staged: StagedModel, num_stages: int) -> dict[int, int]:
                 owner.setdefault(id(compat.inner_variable(w)), stage)
 
     assign(staged.first_layers, 0)
-    for i, block in enumerate(staged.blocks):
-        assign([block], i // per)
+    for s, blocks in enumerate(stage_blocks(staged, num_stages)):
+        assign(blocks, s)
     assign(staged.last_layers, num_stages - 1)
     return owner
 
@@ -109,22 +114,32 @@ class Pipeline:
         self.staged, self.placement, self.update = staged, placement, update
         self.clip_norm, self.microbatches = clip_norm, microbatches
         self.num_stages = p = placement.num_stages
-        per = stages.blocks_per_stage(len(staged.blocks), p)
-        self.stage_blocks = [staged.blocks[s * per:(s + 1) * per] for s in range(p)]
+        self.stage_blocks = stage_blocks(staged, p)
         self.meshes = [placement.stage(s).mesh for s in range(p)]
-        self.actions = schedules.schedule(schedule, p, microbatches)
-        self.order = [(s, action) for _, s, action in schedules.timeline(self.actions)]
+        self.order = [(s, action) for _, s, action in schedules.timeline(schedules.schedule(schedule, p, microbatches))]
         self.variables = list(update.variables)
         self.homes = [self.home(v) for v in self.variables]
         self._step = tf.function(self._train_step, autograph=False)
-        self._forward = None
 
     def home(self, variable) -> int:
         """The stage a variable lives on."""
         return stages.stage_index(compat.inner_variable(variable).layout, self.meshes)
 
-    def activation_layout(self, s: int) -> dtensor.Layout:
-        return layout_for(self.staged.activation_axes, self.placement.table, self.meshes[s])
+    def receive(self, x: tf.Tensor, source: int, s: int) -> tf.Tensor:
+        """An activation (or its gradient) of stage `source` copied to stage s, laid out there."""
+        return stages.to_mesh(x, self.meshes[source],
+                              layout_for(self.staged.activation_axes, self.placement.table, self.meshes[s]))
+
+    def run_blocks(self, s: int, x: tf.Tensor, batch: Mapping[str, tf.Tensor], training: bool) -> tuple:
+        """Stage s's blocks on x (inside its activation context): (x, their aux loss terms)."""
+        context = self.staged.context(batch)
+        aux = []
+        for block in self.stage_blocks[s]:
+            x, a = self.staged.block(block, x, context, training)
+            x = shard(x, self.staged.activation_axes)
+            if a is not None:
+                aux.append(tf.cast(a, tf.float32))
+        return x, aux
 
     def scalar_on(self, x: tf.Tensor, source: int, s: int) -> tf.Tensor:
         """A scalar on stage `source` copied to stage s."""
@@ -167,22 +182,14 @@ class Pipeline:
         for s, (kind, i) in self.order:
             with self.placement.stage_activations(s), microbatch(i):
                 if kind == "F":
-                    x_in = None if s == 0 else stages.to_mesh(outputs[(s - 1, i)], self.meshes[s - 1], self.activation_layout(s))
+                    x_in = None if s == 0 else after(self.receive(outputs[(s - 1, i)], s - 1, s), previous[s])
                     batch = take(s, i)
-                    if x_in is not None:
-                        x_in = after(x_in, previous[s])
                     tape = tf.GradientTape()
                     with tape, gathered_weights():  # the `2d` preset's weights gathered where the blocks use them
                         if x_in is not None:
                             tape.watch(x_in)
                         x = after(staged.first(batch, True), previous[s]) if s == 0 else x_in
-                        context = staged.context(batch)
-                        aux = []
-                        for block in self.stage_blocks[s]:
-                            x, a = staged.block(block, x, context, True)
-                            x = shard(x, staged.activation_axes)
-                            if a is not None:
-                                aux.append(tf.cast(a, tf.float32))
+                        x, aux = self.run_blocks(s, x, batch, True)
                         objective = tf.add_n(aux) / m if aux else None
                         if s == last:
                             head = tf.cast(staged.loss(x, batch, True), tf.float32) / denominator
@@ -190,9 +197,8 @@ class Pipeline:
                     tapes[(s, i)], inputs[(s, i)], outputs[(s, i)], objectives[(s, i)] = tape, x_in, x, objective
                     previous[s] = [x] + ([objective] if objective is not None else [])
                 else:
-                    dy = None if s == last else stages.to_mesh(input_grads[(s + 1, i)], self.meshes[s + 1], self.activation_layout(s))
+                    dy = None if s == last else after(self.receive(input_grads[(s + 1, i)], s + 1, s), previous[s])
                     objective = objectives[(s, i)]
-                    dy = None if dy is None else after(dy, previous[s])
                     one = None if objective is None else after(tf.ones_like(objective), previous[s])
                     targets = ([outputs[(s, i)]] if dy is not None else []) + ([objective] if one is not None else [])
                     seeds = ([dy] if dy is not None else []) + ([one] if one is not None else [])
@@ -250,10 +256,7 @@ class Pipeline:
         for s in range(self.num_stages):
             with self.placement.stage_activations(s):
                 batch = stage_batches[s]
-                x = staged.first(batch, False) if s == 0 else stages.to_mesh(x, self.meshes[s - 1], self.activation_layout(s))
-                context = staged.context(batch)
-                for block in self.stage_blocks[s]:
-                    x, _ = staged.block(block, x, context, False)
-                    x = shard(x, staged.activation_axes)
+                x = staged.first(batch, False) if s == 0 else self.receive(x, s - 1, s)
+                x, _ = self.run_blocks(s, x, batch, False)
         with self.placement.stage_activations(last):
             return staged.outputs(x, stage_batches[last])
