@@ -58,7 +58,7 @@ from tfpod import UserError, compat, evaluation, fused
 from tfpod.input import bert_data
 from tfpod.models import gpt
 from tfpod.partitioning import AxisRule, rows_split, shard
-from tfpod.task import Task
+from tfpod.task import StagedModel, Task
 
 ACTIVATIONS = ("gelu", "gelu_approximate", "relu")
 
@@ -260,6 +260,33 @@ class BertPretrainer(tf_keras.Model):
         return mlm_logits, pooled
 
 
+    # -- the pieces a pipeline runs (staged) ------------------------------------------
+
+    def embed_inputs(self, inputs, training) -> tf.Tensor:
+        """The first block's input [batch, length, hidden], as the encoder makes it."""
+        embedding = self.encoder.get_embedding_layer()
+        compat.set_one_hot(embedding, not embedding.built or rows_split(embedding.embeddings))
+        x = compat.encoder_embeddings(self.encoder, inputs["input_ids"], inputs["segment_ids"], training)
+        return shard(x, gpt.ACTIVATION_AXES)
+
+    def attention_mask(self, inputs) -> tf.Tensor:
+        """[batch, length, length]: every token attends to the example's real tokens."""
+        like = tf.zeros(inputs["input_mask"].shape, self.compute_dtype)  # the mask layer reads shape and dtype
+        return compat.encoder_attention_mask(self.encoder, like, inputs["input_mask"])
+
+    def block_and_aux(self, block, x, mask, training):
+        """One encoder block: (x, no loss term of its own)."""
+        return block([x, mask], training=training), None
+
+    def heads(self, x, inputs) -> tuple:
+        """(masked-LM logits, next-sentence logits or None) of the last block's output."""
+        sequence = shard(x, ("batch", "length", "embed"))
+        mlm_logits = self.masked_lm(sequence, inputs["masked_lm_positions"], self.encoder.get_embedding_table())
+        if not self.config.next_sentence:
+            return mlm_logits, None
+        return mlm_logits, tf.cast(self.next_sentence(self.encoder.pooler_layer(sequence[:, 0, :])), tf.float32)
+
+
 MODEL_FEATURES = ("input_ids", "input_mask", "segment_ids", "masked_lm_positions")
 
 
@@ -350,17 +377,47 @@ def loss_and_metrics(model: BertPretrainer, batch: dict, training: bool):
       float32 scalars; loss_sum / weight_sum is the masked-LM loss.
     """
     mlm_logits, nsp_logits = model(model_inputs(batch), training=training, with_next_sentence=True)
-    weights = tf.cast(batch["masked_lm_weights"], tf.float32)  # [batch, predictions]
-    loss_sum = tf.reduce_sum(_cross_entropy(mlm_logits, batch["masked_lm_ids"]) * weights)
-    weight_sum = tf.reduce_sum(weights)
+    sums, counts = loss_sums(mlm_logits, nsp_logits, batch), loss_counts(batch, nsp_logits is not None)
+    loss_sum, weight_sum = sums[0], counts[0]
     mlm_loss = loss_sum / tf.maximum(weight_sum, 1.0)
-    nsp_loss = tf.constant(0.0)
-    if nsp_logits is not None:
-        labels = tf.reshape(tf.cast(batch["next_sentence_labels"], tf.int32), [-1])  # [batch]
-        nsp_loss = tf.reduce_mean(_cross_entropy(nsp_logits, labels))
+    nsp_loss = sums[1] / counts[1] if nsp_logits is not None else tf.constant(0.0)
     metrics = {"loss_sum": loss_sum, "weight_sum": weight_sum, "masked_lm_loss": mlm_loss,
                "next_sentence_loss": nsp_loss}
     return mlm_loss + nsp_loss, metrics
+
+
+def loss_sums(mlm_logits, nsp_logits, batch: dict) -> list:
+    """The summed pretraining losses: masked LM over the real predictions, then (with NSP
+    logits) next sentence over the examples; each loss is its sum over its `loss_counts`."""
+    weights = tf.cast(batch["masked_lm_weights"], tf.float32)  # [batch, predictions]
+    sums = [tf.reduce_sum(_cross_entropy(mlm_logits, batch["masked_lm_ids"]) * weights)]
+    if nsp_logits is not None:
+        labels = tf.reshape(tf.cast(batch["next_sentence_labels"], tf.int32), [-1])  # [batch]
+        sums.append(tf.reduce_sum(_cross_entropy(nsp_logits, labels)))
+    return sums
+
+
+def loss_counts(batch: dict, next_sentence: bool) -> list:
+    """What each of `loss_sums` is averaged over: real predictions, then examples."""
+    weights = tf.cast(batch["masked_lm_weights"], tf.float32)
+    return [tf.reduce_sum(weights)] + ([tf.reduce_sum(tf.ones_like(weights[:, 0]))] if next_sentence else [])
+
+
+def staged(model: BertPretrainer) -> StagedModel:
+    """BERT cut for pipeline stages: embeddings first, encoder blocks, the heads and loss last."""
+    encoder = model.encoder
+    return StagedModel(
+        first=lambda batch, training: model.embed_inputs(batch, training),
+        context=model.attention_mask,
+        blocks=compat.transformer_layers(encoder),
+        block=model.block_and_aux,
+        outputs=lambda x, batch: model.heads(x, batch)[0],
+        loss=lambda x, batch, training: loss_sums(*model.heads(x, batch), batch),
+        loss_weight=lambda batch: loss_counts(batch, model.config.next_sentence),
+        activation_axes=gpt.ACTIVATION_AXES,
+        first_layers=compat.encoder_input_layers(encoder),
+        last_layers=(encoder.pooler_layer, model.masked_lm, model.next_sentence),
+    )
 
 
 def flops_per_token(config: BertConfig) -> float:
@@ -458,6 +515,7 @@ class BertTask(Task):
     make_input = staticmethod(bert_data.bert_input)
     loss_and_metrics = staticmethod(loss_and_metrics)
     serving = staticmethod(serving)
+    staged = staticmethod(staged)
 
     def tokens_per_example(self, config: BertConfig) -> int:
         return config.seq_len

@@ -353,6 +353,26 @@ def set_transformer_layers(encoder, layers: list) -> None:
     encoder._transformer_layers = layers
 
 
+def encoder_embeddings(encoder, word_ids, type_ids, training):
+    """BertEncoderV2's input to its first block [batch, length, hidden]: word, position and
+    type embeddings, their layer norm, dropout (and projection), as its `call` makes them."""
+    x = encoder._get_embeddings(word_ids, type_ids, encoder._embedding_layer(word_ids), None, None)
+    x = encoder._embedding_dropout(encoder._embedding_norm_layer(x), training=training)
+    return x if encoder._embedding_projection is None else encoder._embedding_projection(x)
+
+
+def encoder_attention_mask(encoder, like, input_mask):
+    """BertEncoderV2's attention mask [batch, length, length] of input_mask, in `like`'s dtype."""
+    return encoder._attention_mask_layer(like, input_mask)
+
+
+def encoder_input_layers(encoder) -> list:
+    """BertEncoderV2's layers that run before its blocks (their weights: the first pipeline stage's)."""
+    return [layer for layer in (encoder._embedding_layer, encoder._position_embedding_layer,
+                                encoder._type_embedding_layer, encoder._embedding_norm_layer,
+                                encoder._embedding_projection) if layer is not None]
+
+
 def rename_layer(layer, name: str) -> None:
     """Sets a built-in layer's name (variable names, hence rule paths, follow it)."""
     layer._name = name

@@ -171,11 +171,13 @@ class StagedModel:
       block: (block, x, context, training) -> (x, aux loss): one block; aux is this
         block's own term of the loss (e.g. MoE load balancing, already weighted) or None.
       outputs: (x, batch) -> the model's outputs, as `Task.eval_metric` reads them (last stage).
-      loss: (x, batch, training) -> a microbatch's summed loss (e.g. the weighted sum of
-        token losses), without the blocks' aux terms (last stage).
-      loss_weight: batch -> a microbatch's loss denominator (e.g. the count of weighted
-        tokens): the batch's loss is sum(loss) / max(sum(loss_weight), 1) over its
-        microbatches, plus the blocks' aux terms averaged over the microbatches.
+      loss: (x, batch, training) -> a microbatch's summed loss terms, a list (e.g. [the
+        weighted sum of token losses]; BERT: [masked-LM sum, next-sentence sum]), without
+        the blocks' aux terms (last stage).
+      loss_weight: batch -> each term's count in the microbatch, a list as long (e.g. [the
+        weighted tokens]; BERT: [real predictions, examples]): the batch's loss is, summed
+        over the terms, sum(term) / max(sum(count), 1) over its microbatches, plus the
+        blocks' aux terms averaged over the microbatches.
       activation_axes: logical axes of x between blocks.
       first_layers, last_layers: the layers whose weights live on the first / last stage.
     """

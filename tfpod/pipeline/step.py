@@ -147,16 +147,18 @@ class Pipeline:
 
     # -- host side ----------------------------------------------------------------
 
-    def to_device(self, host_batch: Mapping[str, np.ndarray], feature_axes, leading_dims: int = 0) -> list[dict]:
+    def to_device(self, host_batch: Mapping[str, np.ndarray], feature_axes) -> list[dict]:
         """This host's batch packed on every stage's mesh (each stage reads the features it needs)."""
-        return [self.placement.stage(s).to_global(host_batch, feature_axes, leading_dims=leading_dims)
-                for s in range(self.num_stages)]
+        return [self.placement.stage(s).to_global(host_batch, feature_axes) for s in range(self.num_stages)]
 
     def train_step(self, host_batch: Mapping[str, np.ndarray], feature_axes) -> tuple[tf.Tensor, tf.Tensor]:
         """One optimizer step on this host's rows of a global batch: (loss, gradient norm) DTensors."""
         axis = self.placement.batch_axis(tuple(feature_axes[next(iter(host_batch))]))
         split = split_microbatches(host_batch, self.microbatches, len(local_shards(self.placement.mesh, axis)))
-        return self._step(self.to_device(split, feature_axes, leading_dims=1))
+        # Each microbatch packed on its own (slicing one [M, rows, ...] DTensor lost the
+        # layout of features with unsharded trailing dimensions, e.g. BERT's predictions).
+        packed = [self.to_device({k: v[i] for k, v in split.items()}, feature_axes) for i in range(self.microbatches)]
+        return self._step([[packed[i][s] for i in range(self.microbatches)] for s in range(self.num_stages)])
 
     @property
     def traces(self) -> int:
@@ -164,18 +166,19 @@ class Pipeline:
 
     # -- the compiled step ----------------------------------------------------------
 
-    def _train_step(self, stage_batches: Sequence[Mapping[str, tf.Tensor]]):
+    def _train_step(self, stage_batches: Sequence[Sequence[Mapping[str, tf.Tensor]]]):
         grads, objectives = self._forwards_and_backwards(stage_batches)
         return self._finish(grads, objectives)
 
-    def _forwards_and_backwards(self, stage_batches: Sequence[Mapping[str, tf.Tensor]]) -> tuple[list, dict]:
-        """The schedule's actions: (per variable its gradient summed over the microbatches,
+    def _forwards_and_backwards(self, stage_batches: Sequence[Sequence[Mapping[str, tf.Tensor]]]) -> tuple[list, dict]:
+        """The schedule's actions on stage_batches[stage][microbatch]: (per variable its gradient summed over the microbatches,
         {(stage, microbatch): that forward's own loss term or None})."""
         staged, p, m = self.staged, self.num_stages, self.microbatches
         last = p - 1
-        take = lambda s, i: {k: v[i] for k, v in stage_batches[s].items()}
+        take = lambda s, i: stage_batches[s][i]
         with self.placement.stage_activations(last):
-            denominator = tf.maximum(tf.add_n([staged.loss_weight(take(last, i)) for i in range(m)]), 1.0)
+            counts = [staged.loss_weight(take(last, i)) for i in range(m)]  # [microbatch][term]
+            denominators = [tf.maximum(tf.add_n(list(term)), 1.0) for term in zip(*counts)]
         tapes, inputs, outputs, objectives, input_grads = {}, {}, {}, {}, {}
         grads = [None] * len(self.variables)
         previous = [[] for _ in range(p)]  # what the stage's last action produced
@@ -192,7 +195,8 @@ class Pipeline:
                         x, aux = self.run_blocks(s, x, batch, True)
                         objective = tf.add_n(aux) / m if aux else None
                         if s == last:
-                            head = tf.cast(staged.loss(x, batch, True), tf.float32) / denominator
+                            terms = staged.loss(x, batch, True)
+                            head = tf.add_n([tf.cast(t, tf.float32) / d for t, d in zip(terms, denominators)])
                             objective = head if objective is None else objective + head
                     tapes[(s, i)], inputs[(s, i)], outputs[(s, i)], objectives[(s, i)] = tape, x_in, x, objective
                     previous[s] = [x] + ([objective] if objective is not None else [])
