@@ -11,7 +11,7 @@ setup(
     version="0.1.0",
     description="Multi-host, multi-accelerator training with TensorFlow DTensor",
     python_requires=">=3.10,<3.13",
-    packages=["tfpod", "tfpod.keras", "tfpod.partitioning", "tfpod.pipeline", "tfpod.input", "tfpod.models", "tfpod.gin"],
+    packages=["tfpod", "tfpod.keras", "tfpod.partitioning", "tfpod.pipeline", "tfpod.convert", "tfpod.input", "tfpod.models", "tfpod.gin"],
     package_dir={"tfpod": "tfpod", "tfpod.input": "input", "tfpod.models": "models", "tfpod.gin": "gin"},
     package_data={"tfpod.gin": ["*.gin", "*/*.gin"]},
     install_requires=[
@@ -24,8 +24,12 @@ setup(
         "sentencepiece>=0.2",
         "numpy>=1.26",
         "sacrebleu>=2",
+        "safetensors>=0.4",
     ],
     # tensorflow-serving-api: the tests build TF Serving PredictRequests (pinned to TF's minor version).
-    extras_require={"test": ["pytest>=8", "pytest-xdist>=3", "tensorflow-serving-api==2.20.*"]},
+    # transformers 4.44 (the last with TF classes reading PyTorch-named safetensors, with safetensors 0.4):
+    # the tests check imports and exports against its own TFGPT2LMHeadModel and TFBertForPreTraining.
+    extras_require={"test": ["pytest>=8", "pytest-xdist>=3", "tensorflow-serving-api==2.20.*", "transformers==4.44.*",
+                             "safetensors==0.4.*"]},
     entry_points={"console_scripts": ["tfpod=tfpod.main:console_main", "tfpod-launch=tfpod.launch:console_main"]},
 )

@@ -18,8 +18,9 @@ tf-models-official's `official/nlp/data/create_pretraining_data.py`):
            tfpod.input.prepare prepares) masked online (dynamic masking, fresh masks
            every epoch), MLM only (no sentence pairs, so no next_sentence_labels):
 
-             this host's files -> documents -> SentencePiece ids + EOS (in the graph)
-             -> one stream cut into segments of seq_len - 2 tokens -> shuffled
+             this host's files -> documents -> ids + EOS (in the graph: SentencePiece,
+             or a WordPiece vocab.txt with [SEP] as EOS) -> one stream cut into
+             segments of seq_len - 2 tokens -> shuffled
              -> text.mask_for_mlm ([CLS] segment [SEP], 15%: 80% [MASK] / 10% random /
                 10% kept) -> host batches
 
@@ -66,9 +67,15 @@ class BertDataConfig:
       format: records (create_pretraining_data.py TFRecords), text (documents masked
         online), or auto (records when train_files are given, else text).
       text_feature: the TFRecord feature holding a document (format text).
-      vocab_path: SentencePiece model for format text; None: the prepared corpus's, of
-        `vocab_size`. It must have the pieces [MASK], [CLS] and [SEP].
+      vocab_path: the vocabulary for format text: a SentencePiece model, or a WordPiece
+        `vocab.txt` (a path ending in .txt: one piece per line, as published with Google
+        BERT and on the Hugging Face Hub); None: the prepared corpus's SentencePiece model,
+        of `vocab_size`. It must have the pieces [MASK], [CLS] and [SEP]; a vocab.txt also
+        [UNK], and [PAD] on its first line (id 0, the padding).
       vocab_size: vocabulary size to train when preparing the default corpus.
+      lower_case: a WordPiece vocab.txt's text is lower-cased and stripped of accents
+        first (uncased BERT; set False for a cased vocab.txt); a SentencePiece model
+        normalizes as it was trained.
       mask_rate: fraction of a segment's tokens predicted (format text).
       shuffle_buffer: examples in the shuffle buffer (0: no shuffling).
       cycle_length: files read at once per host.
@@ -84,6 +91,7 @@ class BertDataConfig:
     text_feature: str = "text"
     vocab_path: str | None = None
     vocab_size: int = 2048
+    lower_case: bool = True
     mask_rate: float = 0.15
     shuffle_buffer: int = 1024
     cycle_length: int = 4
@@ -206,10 +214,25 @@ def records_dataset(cfg: BertDataConfig, pattern: str, model_config, host_rows: 
 def special_ids(tokenizer, vocab_path: str) -> dict[str, int]:
     """{"mask", "cls", "sep"} ids of the vocabulary's [MASK], [CLS] and [SEP] pieces.
 
+    Args:
+      tokenizer: from text.load_tokenizer: a SentencePiece model's, or a WordPiece
+        vocab.txt's (text.WordPieceTokenizer, whose [PAD] must be id 0: the padding).
+      vocab_path: its file (named in errors).
+
     Raises:
-      UserError: the vocabulary lacks one of them.
+      UserError: the vocabulary lacks one of them (or a vocab.txt's [PAD] is not id 0).
     """
     pieces = {"mask": "[MASK]", "cls": "[CLS]", "sep": "[SEP]"}
+    if isinstance(tokenizer, text.WordPieceTokenizer):
+        missing = [p for p in pieces.values() if p not in tokenizer.ids]
+        if missing:
+            raise UserError(f"WordPiece vocabulary {vocab_path} has no line(s) {', '.join(missing)}: BERT needs "
+                            "[PAD] [UNK] [CLS] [SEP] [MASK]; use the vocab.txt published with the model")
+        if tokenizer.ids.get("[PAD]") != prepare.PAD_ID:
+            raise UserError(f"WordPiece vocabulary {vocab_path} has [PAD] as id {tokenizer.ids.get('[PAD]')}, but "
+                            f"BERT pads with id {prepare.PAD_ID}: put [PAD] on the first line (as BERT's vocab.txt "
+                            "has it)")
+        return {k: tokenizer.ids[p] for k, p in pieces.items()}
     ids = {k: int(tokenizer.string_to_id(tf.constant(p)).numpy()) for k, p in pieces.items()}
     unk = int(tokenizer.string_to_id(tf.constant("\u2047 not a piece \u2047")).numpy())  # the unknown id
     missing = [pieces[k] for k, i in ids.items() if i == unk]
@@ -253,7 +276,7 @@ def text_dataset(cfg: BertDataConfig, pattern: str, vocab_path: str, model_confi
         raise UserError(f"bert.seq_len={seq_len} is too short for online masking: [CLS] and [SEP] leave "
                         f"{seq_len - 2} token(s); use at least 4")
     plan = host_shard(pattern, shard, seed)
-    tokenizer = text.load_tokenizer(vocab_path)
+    tokenizer = text.load_tokenizer(vocab_path, lower_case=cfg.lower_case)
     vocab = int(tokenizer.vocab_size())
     if vocab > model_config.vocab_size:
         raise UserError(
@@ -264,7 +287,9 @@ def text_dataset(cfg: BertDataConfig, pattern: str, vocab_path: str, model_confi
     doc_cfg = lm_data.LMDataConfig(format="auto", text_feature=cfg.text_feature, cycle_length=cfg.cycle_length,
                                     skip_corrupt=cfg.skip_corrupt)
     documents = lm_data.documents(plan, doc_cfg, seed, repeat, tfrecord_fix="name TFRecord files *.tfrecord*")
-    docs = text.tokenize(documents, tokenizer, eos_id=prepare.EOS_ID)
+    # Documents end with EOS (a WordPiece vocabulary has none: [SEP], BERT's boundary).
+    wordpiece = isinstance(tokenizer, text.WordPieceTokenizer)
+    docs = text.tokenize(documents, tokenizer, eos_id=ids["sep"] if wordpiece else prepare.EOS_ID)
     if repeat:
         segments = _segments(docs, seq_len - 2)
         segments = records.shuffled(segments, cfg.shuffle_buffer, seed)

@@ -1,8 +1,16 @@
 """The causal LM's input (gin `lm_data.*`): one host's files -> tokens -> packed host batches.
 
     this host's files (records.read) -> documents -> SentencePiece ids (tensorflow-text,
-    in the graph) -> packed rows [seq_len] (concat-and-split, or segments: the data
-    contract in input.text) -> shuffled -> host batches [host_rows, seq_len] -> prefetched
+    in the graph) + EOS -> packed rows [seq_len] (concat-and-split, or segments: the
+    data contract in input.text) -> shuffled -> host batches [host_rows, seq_len] -> prefetched
+
+Pre-tokenized data (`format='ids'`, for a tokenizer tfpod does not run in the graph,
+e.g. GPT-2's byte-level BPE) replaces the first two stages: TFRecord files of
+tf.train.Example, one document each, with an int64 list feature `ids_feature` holding
+its token ids (`write_ids_records` writes them); each document gets `eos_id` appended
+and is packed as text is. No vocabulary is read: every id must be below the model's
+vocab_size, checked on the first record before training and on every record as it is
+read (an InvalidArgumentError naming the file, the id and the fix).
 
 Each host builds only its rows of the global batch (global_batch / hosts); the trainer
 packs them into batch-sharded DTensors (partitioning.Placement.to_global). The pipeline is deterministic for a seed, and
@@ -19,18 +27,19 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+from typing import Iterable, Sequence
 
 import tensorflow as tf
 
 from tfpod import UserError
 from tfpod.input import files as files_lib
 from tfpod.input import prepare, records, text
-from tfpod.input.common import (ShardInfo, TaskInput, check_text_files, corrupt_finder, file_identity, host_shard,
-                                stream_source)
+from tfpod.input.common import (ShardInfo, TaskInput, check_text_files, corrupt_finder, file_identity, first_example,
+                                host_shard, stream_source)
 
 log = logging.getLogger("tfpod")
 
-FORMATS = ("auto", "tfrecord", "text")
+FORMATS = ("auto", "tfrecord", "text", "ids")
 PACKINGS = ("concat", "segments")
 
 
@@ -43,9 +52,15 @@ class LMDataConfig:
         Python stdlib corpus (prepared on first use).
       eval_files: the same for the held-out split.
       format: tfrecord (tf.train.Example with a bytes feature `text_feature`), text
-        (each file is one document), or auto (by extension: .tfrecord* is tfrecord).
+        (each file is one document), auto (by extension: .tfrecord* is tfrecord), or ids
+        (pre-tokenized: tf.train.Example with an int64 list feature `ids_feature`, one
+        document per record; no vocabulary, no default corpus: set train_files and eos_id).
       text_feature: the TFRecord feature holding the document.
-      vocab_path: SentencePiece model; None: the prepared corpus's, of `vocab_size`.
+      ids_feature: the TFRecord feature holding a document's token ids (format ids).
+      eos_id: the id appended to every document (the boundary the LM learns; GPT-2's
+        <|endoftext|> is 50256); None: the prepared vocabulary's EOS (3). Format ids needs it.
+      vocab_path: SentencePiece model; None: the prepared corpus's, of `vocab_size`
+        (not read with format ids).
       vocab_size: vocabulary size to train when preparing the default corpus.
       seq_len: tokens per row; None: the model's maximum length.
       packing: concat (concatenate documents, cut rows; the LM default) or segments
@@ -61,6 +76,8 @@ class LMDataConfig:
     eval_files: str | None = None
     format: str = "auto"
     text_feature: str = "text"
+    ids_feature: str = "ids"
+    eos_id: int | None = None
     vocab_path: str | None = None
     vocab_size: int = 2048
     seq_len: int | None = None
@@ -76,6 +93,16 @@ class LMDataConfig:
             raise UserError(f"lm_data.format={self.format!r}: use one of {', '.join(FORMATS)}")
         if self.packing not in PACKINGS:
             raise UserError(f"lm_data.packing={self.packing!r}: use one of {', '.join(PACKINGS)}")
+        if self.eos_id is not None and self.eos_id < 0:
+            raise UserError(f"lm_data.eos_id={self.eos_id} must be a token id >= 0 (or None: the prepared EOS)")
+        if self.format == "ids" and self.eos_id is None:
+            raise UserError("lm_data.format='ids' needs lm_data.eos_id, the document boundary id of the tokenizer "
+                            "that wrote the ids: set it (GPT-2: 50256)")
+
+    @property
+    def eos(self) -> int:
+        """The id appended to every document."""
+        return prepare.EOS_ID if self.eos_id is None else self.eos_id
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,11 +111,16 @@ class Resolved:
 
     train_files: str
     eval_files: str | None
-    vocab_path: str
+    vocab_path: str | None  # None: format ids reads no vocabulary
 
 
 def resolve(cfg: LMDataConfig) -> Resolved:
-    """Prepares the default corpus when it is used (cached), and checks the vocabulary file."""
+    """Prepares the default corpus when it is used (cached; never for format ids)."""
+    if cfg.format == "ids":
+        if cfg.train_files is None:
+            raise UserError("lm_data.format='ids' reads pre-tokenized TFRecords and has no default corpus: set "
+                            "lm_data.train_files (write them with tfpod.input.lm_data.write_ids_records)")
+        return Resolved(cfg.train_files, cfg.eval_files, None)
     data_dir = None
     if cfg.train_files is None or cfg.vocab_path is None:
         data_dir = prepare.ensure(cfg.data_dir, cfg.vocab_size)
@@ -133,19 +165,120 @@ def documents(plan: files_lib.HostShard, cfg: LMDataConfig, seed: int, repeat: b
     return ds
 
 
-def lm_dataset(cfg: LMDataConfig, pattern: str, vocab_path: str, seq_len: int, host_rows: int, shard: ShardInfo,
-               seed: int, model_vocab_size: int | None = None, repeat: bool = True) -> tf.data.Dataset:
+_IDS_FIX = "write the ids with tfpod.input.lm_data.write_ids_records"
+
+
+def write_ids_records(path: str, documents: Iterable[Sequence[int]], feature: str = "ids") -> int:
+    """Writes pre-tokenized documents as one TFRecord file that `lm_data.format='ids'` reads.
+
+    Each document becomes one tf.train.Example with an int64 list feature `feature` (its
+    token ids, without a boundary token: the reader appends `lm_data.eos_id`). Give each
+    host at least one file (tfpod.input.host_files splits files over hosts).
+
+    Args:
+      path: the file to write (any tf.io.gfile filesystem).
+      documents: each document's token ids (e.g. a Hugging Face tokenizer's input_ids).
+      feature: the feature name (lm_data.ids_feature).
+
+    Returns:
+      The number of documents written.
+
+    Raises:
+      UserError: a document holds a negative id.
+    """
+    count = 0
+    with tf.io.TFRecordWriter(path) as writer:
+        for count, ids in enumerate(documents, 1):
+            ids = [int(i) for i in ids]
+            if ids and min(ids) < 0:
+                raise UserError(f"document {count - 1} for {path} holds token id {min(ids)}: token ids are >= 0")
+            example = tf.train.Example(features=tf.train.Features(feature={
+                feature: tf.train.Feature(int64_list=tf.train.Int64List(value=ids))}))
+            writer.write(example.SerializeToString())
+    return count
+
+
+def check_ids_file(path: str, cfg: LMDataConfig, vocab_size: int) -> None:
+    """Checks a format-ids file's first record: an int64 list `ids_feature` of ids in [0, vocab_size).
+
+    Raises:
+      UserError: naming the file, what is wrong and the setting to change.
+    """
+    try:
+        feature = first_example(path, "replace it, or set lm_data.skip_corrupt=True", _IDS_FIX).features.feature
+    except UserError:
+        if cfg.skip_corrupt:
+            return  # unreadable records are skipped as they are read; the ids are checked there
+        raise
+    if cfg.ids_feature not in feature or feature[cfg.ids_feature].WhichOneof("kind") != "int64_list":
+        found = ", ".join(f"{k} ({v.WhichOneof('kind')})" for k, v in sorted(feature.items())) or "none"
+        raise UserError(f"records in {path} have no int64 list feature {cfg.ids_feature!r} (found: {found}): set "
+                        f"lm_data.ids_feature to the feature holding the token ids, or {_IDS_FIX}")
+    outside = [i for i in feature[cfg.ids_feature].int64_list.value if not 0 <= i < vocab_size]
+    if outside:
+        raise UserError(f"records in {path} hold token id {outside[0]}, outside [0, gpt.vocab_size={vocab_size}): "
+                        "set gpt.vocab_size to the vocabulary the ids were written with (GPT-2: 50257)")
+
+
+def id_documents(plan: files_lib.HostShard, cfg: LMDataConfig, seed: int, repeat: bool, vocab_size: int,
+                 batch_size: int = 64) -> tf.data.Dataset:
+    """[None] int32 token ids of each record of this host's format-ids files, `cfg.eos` appended.
+
+    The first file's first record is checked before anything is read (`check_ids_file`);
+    every record's ids are checked as they are read: an id outside [0, vocab_size) stops
+    the input with an InvalidArgumentError whose message names the file, the id and the fix.
+
+    Args:
+      plan: this host's files.
+      cfg: LMDataConfig (ids_feature, eos_id, cycle_length, skip_corrupt).
+      seed: the file order's shuffle.
+      repeat: shuffle the files each epoch and repeat forever (training).
+      vocab_size: the model's vocabulary: every id must be below it.
+      batch_size: records parsed per call (speed only; the output is the same).
+    """
+    check_ids_file(plan.files[0], cfg, vocab_size)
+    spec = {cfg.ids_feature: tf.io.RaggedFeature(tf.int64)}
+
+    def parse(paths: tf.Tensor, batch: tf.Tensor) -> tf.RaggedTensor:
+        ids = tf.io.parse_example(batch, spec)[cfg.ids_feature]  # [B, (n)] int64
+        flat = ids.flat_values
+        outside = (flat < 0) | (flat >= vocab_size)  # [ids]
+        ok = ~tf.reduce_any(outside)
+
+        def message():  # built only when an id is outside (as check_ids_file words it)
+            first = tf.argmax(tf.cast(outside, tf.int32))
+            return tf.strings.join([
+                "records in ", paths[ids.value_rowids()[first]], " hold token id ", tf.strings.as_string(flat[first]),
+                f", outside [0, gpt.vocab_size={vocab_size}): set gpt.vocab_size to the vocabulary the ids were "
+                "written with (GPT-2: 50257)"])
+
+        check = tf.debugging.Assert(ok, [tf.cond(ok, lambda: tf.constant(""), message)])
+        with tf.control_dependencies([check]):
+            ids = tf.cast(ids, tf.int32)
+        eos = tf.RaggedTensor.from_tensor(tf.fill([tf.shape(batch)[0], 1], tf.constant(cfg.eos, tf.int32)),
+                                          row_splits_dtype=ids.row_splits.dtype)
+        return tf.concat([ids, eos], axis=1)  # [B, (n + 1)]
+
+    ds = records.read(plan, seed, repeat, cfg.cycle_length, cfg.skip_corrupt, with_paths=True)
+    ds = ds.batch(batch_size).map(parse, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
+    return ds.unbatch().map(tf.identity)  # rows of a ragged batch restated as TensorSpec([None], tf.int32)
+
+
+def lm_dataset(cfg: LMDataConfig, pattern: str, vocab_path: str | None, seq_len: int, host_rows: int,
+               shard: ShardInfo, seed: int, model_vocab_size: int | None = None,
+               repeat: bool = True) -> tf.data.Dataset:
     """This host's dataset of LM batches {inputs, targets, weights[, segment_ids, positions]}.
 
     Args:
       cfg: LMDataConfig.
       pattern: file glob(s) of the split.
-      vocab_path: SentencePiece model.
+      vocab_path: SentencePiece model (None with format ids: no vocabulary is read).
       seq_len: row length.
       host_rows: rows per host batch (global batch / hosts).
       shard: this host's place.
       seed: file order and shuffling.
-      model_vocab_size: the model's vocabulary; the tokenizer's must fit in it.
+      model_vocab_size: the model's vocabulary; the tokenizer's (format ids: every id) and
+        the EOS id must fit in it (required with format ids).
       repeat: cycle over the data forever (training), or read it once with each
         document packed on its own (evaluation: the same examples for any host count).
 
@@ -153,15 +286,24 @@ def lm_dataset(cfg: LMDataConfig, pattern: str, vocab_path: str, seq_len: int, h
       A dataset of host batches [host_rows, seq_len] (when not repeating, the last
       batch may be shorter).
     """
+    if model_vocab_size is not None and cfg.eos >= model_vocab_size:
+        raise UserError(f"lm_data.eos_id={cfg.eos} is not below gpt.vocab_size={model_vocab_size}: set lm_data.eos_id "
+                        "to the tokenizer's end-of-document id, or gpt.vocab_size to its vocabulary's size")
     plan = host_shard(pattern, shard, seed)
-    tokenizer = text.load_tokenizer(vocab_path)
-    vocab = int(tokenizer.vocab_size())
-    if model_vocab_size is not None and vocab > model_vocab_size:
-        raise UserError(
-            f"vocabulary {vocab_path} has {vocab} pieces but the model has gpt.vocab_size={model_vocab_size}: "
-            f"set gpt.vocab_size >= {vocab} or use a smaller vocabulary"
-        )
-    ds = text.tokenize(documents(plan, cfg, seed, repeat), tokenizer, eos_id=prepare.EOS_ID)
+    if cfg.format == "ids":
+        if model_vocab_size is None:
+            raise UserError("lm_data.format='ids' checks every id against the model's vocabulary: pass "
+                            "lm_dataset its model_vocab_size")
+        ds = id_documents(plan, cfg, seed, repeat, model_vocab_size)
+    else:
+        tokenizer = text.load_tokenizer(vocab_path)
+        vocab = int(tokenizer.vocab_size())
+        if model_vocab_size is not None and vocab > model_vocab_size:
+            raise UserError(
+                f"vocabulary {vocab_path} has {vocab} pieces but the model has gpt.vocab_size={model_vocab_size}: "
+                f"set gpt.vocab_size >= {vocab} or use a smaller vocabulary"
+            )
+        ds = text.tokenize(documents(plan, cfg, seed, repeat), tokenizer, eos_id=cfg.eos)
     if not repeat:  # evaluation: rows independent of how files split over hosts
         ds = text.pack_documents(ds, seq_len, pad_id=prepare.PAD_ID)
     elif cfg.packing == "concat":
@@ -189,11 +331,11 @@ def lm_input(cfg: LMDataConfig, model_config, shard: ShardInfo, seed: int) -> Ta
         return lambda host_rows: lm_dataset(cfg, files, where.vocab_path, seq_len, host_rows, shard, seed,
                                             model_config.vocab_size, repeat=repeat)
 
+    vocab = {"vocab": file_identity(where.vocab_path)} if where.vocab_path else {}
     return TaskInput(
         train=dataset(where.train_files, True),
         eval=dataset(where.eval_files, False) if where.eval_files else None,
         find_corrupt=corrupt_finder(where.train_files, shard, seed),
         checkpointable=not cfg.service_address,
-        source=stream_source(cfg, "lm_data", where.train_files, shard, seed, seq_len=seq_len,
-                             vocab=file_identity(where.vocab_path)),
+        source=stream_source(cfg, "lm_data", where.train_files, shard, seed, seq_len=seq_len, **vocab),
     )

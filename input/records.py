@@ -25,7 +25,7 @@ AUTOTUNE = tf.data.AUTOTUNE
 
 
 def read(plan: HostShard, seed: int, repeat: bool, cycle_length: int, skip_corrupt: bool = False,
-         whole_files: bool = False) -> tf.data.Dataset:
+         whole_files: bool = False, with_paths: bool = False) -> tf.data.Dataset:
     """The records (or, with `whole_files`, each file's bytes) of this host's files.
 
     Args:
@@ -35,6 +35,7 @@ def read(plan: HostShard, seed: int, repeat: bool, cycle_length: int, skip_corru
       cycle_length: files read at once.
       skip_corrupt: skip unreadable TFRecord data (TensorFlow logs each skip).
       whole_files: each file is one element (text documents) instead of its records.
+      with_paths: each element is (its file's path, the record), to name the file in checks.
     """
     ds = tf.data.Dataset.from_tensor_slices(list(plan.files))
     if repeat:
@@ -44,7 +45,8 @@ def read(plan: HostShard, seed: int, repeat: bool, cycle_length: int, skip_corru
     else:
         def records(path):
             ds = tf.data.TFRecordDataset(path)
-            return ds.apply(tf.data.experimental.ignore_errors(log_warning=True)) if skip_corrupt else ds
+            ds = ds.apply(tf.data.experimental.ignore_errors(log_warning=True)) if skip_corrupt else ds
+            return ds.map(lambda record: (path, record)) if with_paths else ds
 
         ds = ds.interleave(records, cycle_length=cycle_length, num_parallel_calls=AUTOTUNE, deterministic=True)
     if plan.record_shard:

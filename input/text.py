@@ -73,6 +73,9 @@ caller adds later with `ds.batch(..., drop_remainder=True)`):
 
 from __future__ import annotations
 
+import dataclasses
+import re
+
 import tensorflow as tf
 import tensorflow_text as tf_text
 
@@ -87,18 +90,31 @@ def _check_positive(**values: int) -> None:
             raise UserError(f"{name}={value!r} must be a positive integer")
 
 
-def load_tokenizer(vocab_path: str) -> tf_text.SentencepieceTokenizer:
-    """Loads a SentencePiece model as an in-graph tokenizer.
+def load_tokenizer(vocab_path: str, lower_case: bool = True):
+    """Loads a vocabulary as an in-graph tokenizer: a SentencePiece model, or a WordPiece vocab.txt.
+
+    A path ending in `.txt` is a WordPiece vocabulary (`WordPieceTokenizer`: Google
+    BERT's and the Hugging Face Hub's vocab.txt); any other file a SentencePiece model.
+    Both give the same interface: tokenize (a string -> [pieces] int32 ids, strings ->
+    ragged [batch, (pieces)]), detokenize, id_to_string, string_to_id and vocab_size.
 
     Args:
-      vocab_path: path of the SentencePiece `.model` file (any tf.io.gfile filesystem).
+      vocab_path: the SentencePiece `.model` file or the WordPiece `vocab.txt` (any
+        tf.io.gfile filesystem).
+      lower_case: WordPiece only: lower-case and strip accents first (uncased BERT
+        vocabularies; False for cased ones). A SentencePiece model normalizes as it was trained.
 
     Returns:
       A tokenizer producing int32 ids, without BOS/EOS (`tokenize` appends EOS).
 
     Raises:
-      UserError: the file is missing, empty, unreadable, or not a SentencePiece model.
+      UserError: the file is missing, empty, unreadable, or not a vocabulary of its kind.
     """
+    if not vocab_path:
+        raise UserError("no vocabulary file is given (lm_data.format='ids' reads token ids without one): "
+                        "set the data config's vocab_path to a SentencePiece .model or a WordPiece vocab.txt")
+    if vocab_path.endswith(".txt"):
+        return WordPieceTokenizer.load(vocab_path, lower_case)
     fix = "run python -m tfpod.input.prepare or set lm_data.vocab_path to a SentencePiece .model file"
     if not tf.io.gfile.exists(vocab_path):
         raise UserError(f"SentencePiece vocabulary {vocab_path} does not exist: {fix}")
@@ -120,9 +136,132 @@ def load_tokenizer(vocab_path: str) -> tf_text.SentencepieceTokenizer:
     return tokenizer
 
 
+@dataclasses.dataclass(frozen=True)
+class _Pieces:
+    pieces: tuple[str, ...]
+    ids: dict[str, int]
+
+
+WORDPIECE_SPECIALS = ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")  # BERT's; kept whole where a text writes them
+
+
+class WordPieceTokenizer(tf.Module):
+    """A WordPiece vocab.txt (BERT's) as an in-graph tokenizer with the SentencePiece one's interface.
+
+    Line i of the file (its trailing newline removed) is the piece of id i; a piece on
+    several lines takes its last line's id (as Google BERT's and Hugging Face's loaders
+    do). Text is split as BERT's basic tokenizer splits it (whitespace, punctuation, CJK
+    characters; lower-cased and accents stripped with `lower_case`), then into the
+    longest pieces of the vocabulary (`##` marks a piece inside a word), with
+    tensorflow-text's FastBertTokenizer; a word it cannot spell is one [UNK]. The special
+    pieces [PAD] [UNK] [CLS] [SEP] [MASK] that the vocabulary has are kept whole where a
+    text writes them (case-sensitive), so "a [MASK] b" has the [MASK] id, as a
+    SentencePiece model with those user symbols does.
+
+    A tf.Module: a serving signature that uses it saves it with the SavedModel.
+    """
+
+    def __init__(self, pieces: list[str], lower_case: bool = True, name_in_errors: str = "vocab.txt"):
+        super().__init__(name="wordpiece")
+        ids = {p: i for i, p in enumerate(pieces) if p}  # the last line of a repeated piece wins
+        if "[UNK]" not in ids:
+            raise UserError(f"WordPiece vocabulary {name_in_errors} has no [UNK] line: a BERT vocab.txt has [PAD] "
+                            "[UNK] [CLS] [SEP] [MASK]; add [UNK] or give the vocabulary the model was trained with")
+        self._vocab = _Pieces(tuple(pieces), ids)  # plain data: a tf.Module would track (and walk) a list
+        self.lower_case = lower_case
+        self.unk_id = ids["[UNK]"]
+        # FastBertTokenizer takes each piece once: a blank line or an earlier copy of a piece gets a
+        # stand-in with a space, which no word (split at whitespace) can match.
+        unique = [p if p and ids[p] == i else f"[tfpod unused {i}]" for i, p in enumerate(pieces)]
+        try:
+            self._bert = tf_text.FastBertTokenizer(vocab=unique, token_out_type=tf.int64, unknown_token="[UNK]",
+                                                   support_detokenization=True,
+                                                   lower_case_nfd_strip_accents=lower_case)
+        except RuntimeError as e:  # e.g. no piece a word can be made of
+            raise UserError(f"WordPiece vocabulary {name_in_errors} cannot make a tokenizer ({str(e).strip()}): give "
+                            "the vocab.txt published with the model") from None
+        self._specials = "|".join(re.escape(p) for p in WORDPIECE_SPECIALS if p in ids)  # [UNK] at least
+        self._table = tf.lookup.StaticHashTable(  # piece -> id
+            tf.lookup.KeyValueTensorInitializer(tf.constant(list(ids)), tf.constant(list(ids.values()), tf.int32)),
+            default_value=self.unk_id)
+
+    @classmethod
+    def load(cls, vocab_path: str, lower_case: bool = True) -> WordPieceTokenizer:
+        """The tokenizer of a vocab.txt file (one piece per line, UTF-8).
+
+        Raises:
+          UserError: the file is missing, unreadable, empty, not UTF-8 text, or has no [UNK].
+        """
+        fix = "give a WordPiece vocab.txt (one piece per line, as published with BERT), or a SentencePiece .model"
+        if not tf.io.gfile.exists(vocab_path):
+            raise UserError(f"WordPiece vocabulary {vocab_path} does not exist: {fix}")
+        try:
+            with tf.io.gfile.GFile(vocab_path, "rb") as f:
+                raw = f.read()
+        except (tf.errors.OpError, OSError) as e:
+            raise UserError(f"WordPiece vocabulary {vocab_path} cannot be read ({type(e).__name__}): {fix}") from None
+        if not raw.strip():
+            raise UserError(f"WordPiece vocabulary {vocab_path} is empty: {fix}")
+        try:
+            content = raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise UserError(f"WordPiece vocabulary {vocab_path} is not UTF-8 text (byte {e.start} of {len(raw)}; "
+                            f"a SentencePiece model is named *.model): {fix}") from None
+        if "\x00" in content:
+            raise UserError(f"WordPiece vocabulary {vocab_path} is binary (NUL bytes; a SentencePiece model is "
+                            f"named *.model): {fix}")
+        pieces = content.split("\n")
+        if pieces[-1] == "":
+            pieces.pop()  # the last line's newline
+        return cls([p.rstrip("\r") for p in pieces], lower_case, vocab_path)
+
+    @property
+    def pieces(self) -> tuple[str, ...]:
+        """The piece of each id (the file's lines)."""
+        return self._vocab.pieces
+
+    @property
+    def ids(self) -> dict[str, int]:
+        """{piece: id} (a repeated piece: its last line's id; blank lines are no piece)."""
+        return self._vocab.ids
+
+    def vocab_size(self) -> tf.Tensor:
+        """The number of ids (lines of the file): an int32 scalar."""
+        return tf.constant(len(self.pieces), tf.int32)
+
+    def tokenize(self, texts) -> tf.Tensor | tf.RaggedTensor:
+        """A string -> [pieces] int32 ids; strings [batch] -> ragged [batch, (pieces)] int32."""
+        texts = tf.convert_to_tensor(texts, tf.string)
+        if texts.shape.rank == 0:
+            return self.tokenize(texts[tf.newaxis])[0]
+        parts = tf_text.regex_split(texts, self._specials, self._specials)  # [batch, (parts)]: specials alone
+        flat = parts.flat_values  # [P]
+        special = tf.strings.regex_full_match(flat, self._specials)  # [P]
+        words = tf.cast(self._bert.tokenize(tf.where(special, "", flat)), tf.int32)  # [P, (pieces)], specials empty
+        marks = tf.RaggedTensor.from_row_lengths(self._table.lookup(tf.boolean_mask(flat, special)),
+                                                 tf.cast(special, tf.int64))  # [P, (0 or 1)]
+        return parts.with_flat_values(tf.concat([words, marks], axis=1)).merge_dims(1, 2)  # [batch, (pieces)]
+
+    def detokenize(self, ids) -> tf.Tensor:
+        """[pieces] ids -> a string; [batch, (pieces)] -> [batch] strings: words joined by spaces
+        (`##` pieces joined to their word; lower-casing and punctuation splitting are not undone)."""
+        return self._bert.detokenize(ids)
+
+    def id_to_string(self, ids) -> tf.Tensor:
+        """Each id's piece, in the ids' shape; "" for an id outside [0, vocab_size)."""
+        ids = tf.convert_to_tensor(ids)
+        size = len(self.pieces)
+        pieces = tf.gather(tf.constant(self.pieces), tf.clip_by_value(tf.cast(ids, tf.int32), 0, size - 1))
+        return tf.where((ids >= 0) & (ids < size), pieces, "")
+
+    def string_to_id(self, strings) -> tf.Tensor:
+        """Each piece's id (int32, in the strings' shape); the [UNK] id for a string that is not a piece."""
+        return self._table.lookup(tf.convert_to_tensor(strings, tf.string))
+
+
 def tokenize(
     ds: tf.data.Dataset,
-    tokenizer: tf_text.SentencepieceTokenizer,
+    tokenizer: tf_text.SentencepieceTokenizer | WordPieceTokenizer,
     eos_id: int,
     batch_size: int = 64,
     num_parallel_calls: int = _AUTOTUNE,

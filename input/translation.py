@@ -254,6 +254,9 @@ def sentencepiece(vocab_path: str):
     """
     import sentencepiece as spm
 
+    if vocab_path.endswith(".txt"):
+        raise UserError(f"translation_data.vocab_path={vocab_path} looks like a WordPiece vocab.txt: translation "
+                        "needs a SentencePiece .model (with EOS and pad_id=0), e.g. from python -m tfpod.input.prepare")
     text.load_tokenizer(vocab_path)  # one-line errors for missing or broken files
     with tf.io.gfile.GFile(vocab_path, "rb") as f:
         processor = spm.SentencePieceProcessor(model_proto=f.read())

@@ -56,7 +56,7 @@ from official.nlp.modeling import networks as mg_networks
 
 from tfpod import UserError, compat, evaluation, fused
 from tfpod.input import bert_data
-from tfpod.models import gpt
+from tfpod.models import gpt, lm_serving
 from tfpod.partitioning import AxisRule, rows_split, shard
 from tfpod.task import StagedModel, Task
 
@@ -148,12 +148,6 @@ AXIS_RULES = (
 )
 
 
-def _activation(name: str):
-    if name == "gelu_approximate":
-        return lambda x: tf_keras.activations.gelu(x, approximate=True)
-    return fused.activation(name)
-
-
 class MaskedLMHead(mg_layers.MaskedLM):
     """Model Garden's MaskedLM, gathering the masked positions with a one-hot einsum.
 
@@ -172,9 +166,16 @@ class MaskedLMHead(mg_layers.MaskedLM):
                          initializer=initializer, output="logits", name=name)
 
     def call(self, sequence, masked_positions, embedding_table):
-        """sequence [batch, length, hidden], positions [batch, predictions] -> logits [batch, predictions, vocab]."""
+        """sequence [batch, length, hidden], positions [batch, predictions] -> logits [batch, predictions, vocab];
+        with masked_positions None the head at every position: logits [batch, length, vocab]."""
+        if masked_positions is None:
+            return self.head(sequence, embedding_table)
         select = tf.one_hot(masked_positions, sequence.shape[1], dtype=sequence.dtype)  # [b, p, l]
-        x = tf.einsum("bpl,blh->bph", select, sequence)  # [b, p, hidden]
+        return self.head(tf.einsum("bpl,blh->bph", select, sequence), embedding_table)  # of [b, p, hidden]
+
+    def head(self, x, embedding_table):
+        """The head (transform dense, LayerNorm, tied output layer, bias) at every row of x [b, p, hidden]:
+        float32 logits [b, p, vocab]."""
         x = self.layer_norm(self.dense(x))
         table = tf.cast(embedding_table, x.dtype)  # [vocab, hidden]
         logits = tf.einsum("bph,vh->bpv", x, table) + tf.cast(self.bias, x.dtype)  # [b, p, vocab]
@@ -191,7 +192,7 @@ class BertPretrainer(tf_keras.Model):
         def init():  # a fresh initializer per layer, so no two weights share values
             return tf_keras.initializers.TruncatedNormal(stddev=config.init_stddev)
 
-        activation = _activation(config.activation)
+        activation = fused.activation(config.activation)
         self.encoder = mg_networks.BertEncoderV2(
             vocab_size=config.vocab_size,
             hidden_size=config.hidden_size,
@@ -244,6 +245,20 @@ class BertPretrainer(tf_keras.Model):
 
     def outputs_and_pooled(self, inputs, training=None):
         """(masked-LM logits [batch, predictions, vocab] float32, pooled [CLS] output [batch, hidden])."""
+        sequence = self.sequence_output(inputs, training)  # [batch, length, hidden]
+        mlm_logits = self.masked_lm(sequence, inputs["masked_lm_positions"], self.encoder.get_embedding_table())
+        # The encoder's pooler applied to the annotated sequence (the encoder's own pooled
+        # output, computed from the unannotated one, is left unused).
+        pooled = self.encoder.pooler_layer(sequence[:, 0, :])  # [batch, hidden]
+        return mlm_logits, pooled
+
+    def sequence_logits(self, inputs, training=None) -> tf.Tensor:
+        """The masked-LM head at every position: float32 logits [batch, length, vocab] of
+        input_ids, input_mask and segment_ids (Hugging Face BertForPreTraining's prediction_logits)."""
+        return self.masked_lm(self.sequence_output(inputs, training), None, self.encoder.get_embedding_table())
+
+    def sequence_output(self, inputs, training=None) -> tf.Tensor:
+        """The encoder's last block output [batch, length, hidden], annotated for the heads."""
         embedding = self.encoder.get_embedding_layer()
         # A gather when the vocab rows are whole on every device, else a one-hot matmul (as gpt).
         compat.set_one_hot(embedding, not embedding.built or rows_split(embedding.embeddings))
@@ -252,12 +267,7 @@ class BertPretrainer(tf_keras.Model):
              "input_type_ids": inputs["segment_ids"]},
             training=training,
         )
-        sequence = shard(outputs["sequence_output"], ("batch", "length", "embed"))  # [batch, length, hidden]
-        mlm_logits = self.masked_lm(sequence, inputs["masked_lm_positions"], self.encoder.get_embedding_table())
-        # The encoder's pooler applied to the annotated sequence (the encoder's own pooled
-        # output, computed from the unannotated one, is left unused).
-        pooled = self.encoder.pooler_layer(sequence[:, 0, :])  # [batch, hidden]
-        return mlm_logits, pooled
+        return shard(outputs["sequence_output"], ("batch", "length", "embed"))
 
 
     # -- the pieces a pipeline runs (staged) ------------------------------------------
@@ -437,10 +447,10 @@ def flops_per_token(config: BertConfig) -> float:
 
 
 def serving(model: BertPretrainer, config: BertConfig, data_config) -> tuple[tf.Module, dict]:
-    """BERT's SavedModel signature (tfpod.export), on raw strings with [MASK] pieces.
+    """BERT's SavedModel signatures (tfpod.export), on raw strings with [MASK] pieces and on token ids.
 
-    A text is tokenized in the graph with the run's SentencePiece model (the [MASK] piece
-    written in the text becomes the mask id), cut to seq_len - 2 pieces and framed as
+    A text is tokenized in the graph with the run's vocabulary, a SentencePiece model or a
+    WordPiece vocab.txt (the [MASK] piece written in the text becomes the mask id), cut to seq_len - 2 pieces and framed as
     [CLS] text [SEP], one segment; the first max_predictions [MASK]s are predicted.
 
       serving_default(text string [batch]) ->
@@ -450,20 +460,38 @@ def serving(model: BertPretrainer, config: BertConfig, data_config) -> tuple[tf.
         num_masks int32 [batch]  [MASK]s predicted
         masked_lm_logits float32 [batch, max_predictions, vocab]
         pooled_output float32 [batch, hidden]  the encoder's pooled [CLS] embedding
+      ids(input_ids, segment_ids, input_mask int32 [batch, length]) ->
+        logits float32 [batch, length, vocab]  the masked-LM head at every position (Hugging
+          Face BertForPreTraining's prediction_logits), for clients that tokenize
+          themselves; length is at most seq_len
+
+    Data read from create_pretraining_data.py records without a bert_data.vocab_path has no
+    vocabulary to tokenize raw strings with: the export then has the `ids` signature alone,
+    also as serving_default (TF Serving's default).
     """
-    if not data_config.masked_online:
-        raise UserError("bert export needs the SentencePiece vocabulary of online masking to take raw strings; "
-                        "these records were tokenized by create_pretraining_data.py: set bert_data.vocab_path to "
-                        "a SentencePiece model with [MASK], [CLS] and [SEP] pieces")
+    @tf.function(input_signature=[tf.TensorSpec([None, None], tf.int32, name=n)
+                                  for n in ("input_ids", "segment_ids", "input_mask")])
+    def ids_signature(input_ids, segment_ids, input_mask):
+        inputs = {"input_ids": input_ids, "segment_ids": segment_ids, "input_mask": input_mask}
+        limits = {"input_ids": (config.vocab_size, "vocab_size of the model"),
+                  "segment_ids": (config.type_vocab_size, "type_vocab_size of the model"),
+                  "input_mask": (2, "1 for a token, 0 for padding")}
+        with tf.control_dependencies(lm_serving.id_checks(inputs, limits, config.seq_len)):
+            return {"logits": model.sequence_logits({k: tf.identity(v) for k, v in inputs.items()}, training=False)}
+
+    module = tf.Module()
+    module.model = model
+    by_ids = ids_signature.get_concrete_function()
+    if not data_config.masked_online and not data_config.vocab_path:  # records, no vocabulary for raw strings
+        return module, {"serving_default": by_ids, "ids": by_ids}
+
     from tfpod.input import lm_data, text as text_lib
 
-    vocab_path = lm_data.resolve(lm_data.LMDataConfig(vocab_path=data_config.vocab_path,
-                                                      vocab_size=data_config.vocab_size,
-                                                      data_dir=data_config.data_dir)).vocab_path
-    tokenizer = text_lib.load_tokenizer(vocab_path)
+    vocab_path = data_config.vocab_path or lm_data.resolve(lm_data.LMDataConfig(
+        vocab_size=data_config.vocab_size, data_dir=data_config.data_dir)).vocab_path
+    tokenizer = text_lib.load_tokenizer(vocab_path, lower_case=data_config.lower_case)
     ids = bert_data.special_ids(tokenizer, vocab_path)
-    module = tf.Module()
-    module.model, module.tokenizer = model, tokenizer
+    module.tokenizer = tokenizer
     length, predictions = config.seq_len, config.max_predictions
 
     @tf.function(input_signature=[tf.TensorSpec([None], tf.string, name="text")])
@@ -492,7 +520,7 @@ def serving(model: BertPretrainer, config: BertConfig, data_config) -> tuple[tf.
             "pooled_output": tf.cast(pooled, tf.float32),
         }
 
-    return module, {"serving_default": serving_default.get_concrete_function()}
+    return module, {"serving_default": serving_default.get_concrete_function(), "ids": by_ids}
 
 
 class BertTask(Task):

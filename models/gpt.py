@@ -28,6 +28,7 @@ from official.nlp.modeling import layers as mg_layers
 
 from tfpod import UserError, compat, evaluation, fused
 from tfpod.input import lm_data
+from tfpod.models import lm_serving
 from tfpod.partitioning import AxisRule, rows_split, shard
 from tfpod.task import StagedModel, Task
 
@@ -503,72 +504,6 @@ def flops_per_token(config: GPTConfig) -> float:
     return 6.0 * dense + 12.0 * l * config.seq_len * e
 
 
-def serving(model: GPT, config: GPTConfig, data_config) -> tuple[tf.Module, dict]:
-    """The LM's SavedModel signatures (tfpod.export), on raw strings.
-
-    A prompt is tokenized in the graph (the run's SentencePiece model) after an EOS, the
-    document boundary the LM saw in training, and only its last seq_len pieces are kept.
-
-      serving_default(text string [batch]) ->
-        logits float32 [batch, vocab]  the next token's logits after each prompt
-        next_token_id int32 [batch], next_token string [batch]  its argmax and piece
-      generate(text string [batch], max_new_tokens int32 []) ->
-        ids int32 [batch, max_new_tokens]  greedy continuation (the model run on the
-          last seq_len tokens each step)
-        text string [batch]  the continuation decoded, up to its first EOS
-    """
-    from tfpod.input import prepare, text as text_lib
-
-    tokenizer = text_lib.load_tokenizer(lm_data.resolve(data_config).vocab_path)
-    module = tf.Module()
-    module.model, module.tokenizer = model, tokenizer
-    eos, seq_len = prepare.EOS_ID, config.seq_len
-
-    def prompts(texts):
-        ids = tokenizer.tokenize(texts)  # ragged [batch, pieces]
-        start = tf.RaggedTensor.from_tensor(tf.fill([tf.shape(texts)[0], 1], eos))
-        return tf.concat([start, ids], axis=1)[:, -seq_len:]
-
-    @tf.function(input_signature=[tf.TensorSpec([None], tf.string, name="text")])
-    def serving_default(texts):
-        ids = prompts(texts)
-        logits = model({"inputs": ids.to_tensor(0)}, training=False)  # [batch, length, vocab]
-        last = tf.gather(logits, tf.cast(ids.row_lengths(), tf.int32) - 1, batch_dims=1)  # [batch, vocab]
-        next_id = tf.argmax(last, axis=-1, output_type=tf.int32)
-        return {"logits": last, "next_token_id": next_id, "next_token": tokenizer.id_to_string(next_id)}
-
-    @tf.function(input_signature=[tf.TensorSpec([None], tf.string, name="text"),
-                                  tf.TensorSpec([], tf.int32, name="max_new_tokens")])
-    def generate(texts, max_new_tokens):
-        ids = prompts(texts)
-        rows = tf.shape(texts)[0]
-        lengths = tf.cast(ids.row_lengths(), tf.int32)  # [batch]
-        buffer = tf.pad(ids.to_tensor(0), [[0, 0], [0, max_new_tokens]])  # [batch, total]
-        total = tf.shape(buffer)[1]
-        width = tf.minimum(seq_len, total)
-
-        def step(i, buffer, lengths, out):
-            start = tf.maximum(lengths - seq_len, 0)  # [batch]: the last seq_len tokens
-            index = tf.minimum(start[:, None] + tf.range(width)[None, :], total - 1)
-            logits = model({"inputs": tf.gather(buffer, index, batch_dims=1)}, training=False)
-            last = tf.gather(logits, lengths - 1 - start, batch_dims=1)  # [batch, vocab]
-            new = tf.argmax(last, axis=-1, output_type=tf.int32)
-            buffer = tf.tensor_scatter_nd_update(buffer, tf.stack([tf.range(rows), lengths], axis=1), new)
-            return i + 1, buffer, lengths + 1, out.write(i, new)
-
-        out = tf.TensorArray(tf.int32, size=max_new_tokens, element_shape=[None])
-        _, _, _, out = tf.while_loop(lambda i, *_: i < max_new_tokens, step,
-                                     (tf.constant(0), buffer, lengths, out))
-        new_ids = tf.reshape(tf.transpose(out.stack()), [rows, max_new_tokens])  # [batch, max_new_tokens]
-        before_eos = tf.reduce_sum(tf.cast(tf.equal(tf.cumsum(tf.cast(tf.equal(new_ids, eos), tf.int32), axis=1), 0),
-                                           tf.int32), axis=1)
-        decoded = tokenizer.detokenize(tf.RaggedTensor.from_tensor(new_ids, lengths=before_eos))
-        return {"ids": new_ids, "text": decoded}
-
-    return module, {"serving_default": serving_default.get_concrete_function(),
-                    "generate": generate.get_concrete_function()}
-
-
 class GPTTask(Task):
     """The causal LM: gin `gpt.*`, data `lm_data.*` (tfpod.input.lm_data). See tfpod.task.Task."""
 
@@ -588,7 +523,7 @@ class GPTTask(Task):
     synthetic_batch = staticmethod(synthetic_batch)
     make_input = staticmethod(lm_data.lm_input)
     loss_and_metrics = staticmethod(loss_and_metrics)
-    serving = staticmethod(serving)
+    serving = staticmethod(lm_serving.serving)
     staged = staticmethod(staged)
 
     def tokens_per_example(self, config: GPTConfig) -> int:

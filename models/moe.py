@@ -35,13 +35,14 @@ by default; much faster than the gather-and-split it does with it off).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import tensorflow as tf
 import tf_keras
 
 from tfpod import UserError, fused, partitioning
-from tfpod.models import gpt
+from tfpod.models import gpt, lm_serving
 from tfpod.partitioning import AxisRule, shard, stages
 
 NAME = "moe"
@@ -410,6 +411,8 @@ class MoETask(gpt.GPTTask):
     axis_rules = AXIS_RULES
 
     build = staticmethod(MoELM)
+    # Its routing groups are slices of seq_len tokens: served on ids padded to seq_len.
+    serving = staticmethod(functools.partial(lm_serving.serving, whole_sequences=True))
     flops_per_token = staticmethod(flops_per_token)
     loss_and_metrics = staticmethod(loss_and_metrics)
 

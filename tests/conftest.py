@@ -45,6 +45,14 @@ def main_py(*args, timeout=600, env=None) -> subprocess.CompletedProcess:
                           env=console.child_env(env))
 
 
+def run_module(module: str, *args, timeout=600, env=None) -> subprocess.CompletedProcess:
+    """`python -m MODULE ARGS` in the checkout (e.g. tfpod.convert), as main_py runs main.py."""
+    from tfpod import console
+
+    return subprocess.run([sys.executable, "-m", module, *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=timeout, env=console.child_env(env))
+
+
 def launch_command(num_hosts: int, devices_per_host: int, *main_args) -> list[str]:
     """The command of `python -m tfpod.launch` running main.py with `main_args` on local hosts."""
     return [sys.executable, "-m", "tfpod.launch", f"--num_hosts={num_hosts}", f"--devices_per_host={devices_per_host}",

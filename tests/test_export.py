@@ -1,11 +1,14 @@
 """SavedModel export for TF Serving: each task's checkpoint (LM, BERT, ResNet, Transformer), trained sharded on 8 logical
 devices, exported as a plain single-device SavedModel; `saved_model_cli` lists its
 signatures; a fresh process with only tensorflow and tensorflow_text loads it and gives
-the outputs of the sharded training-time model (relative 1e-5); a TF Serving
-PredictRequest for each signature has exactly the inputs it declares."""
+the outputs of the sharded training-time model (relative 1e-5), on raw inputs and (LM, BERT)
+on token ids; a TF Serving PredictRequest for each signature has exactly the inputs it
+declares. Without a vocabulary the LM and BERT export `ids` alone as serving_default; MoE
+serves whole sequences."""
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -15,9 +18,9 @@ import tensorflow as tf
 from tensorflow.experimental import dtensor
 
 from tfpod import UserError, export, optimizers
-from tfpod.input import images, prepare, text
+from tfpod.input import bert_data, images, lm_data, prepare, text
 from tfpod.api import run
-from tfpod.models import bert, gpt, resnet, transformer
+from tfpod.models import bert, gpt, moe, resnet, transformer
 from tfpod.controller import TrainConfig
 from conftest import make_run
 
@@ -97,8 +100,10 @@ def exports(tmp_path_factory):
                                             mlp_dim=512), lm_dir)
     logits = on_host(sharded_forward(t, lambda m, b: m(gpt.model_inputs(b)), {"inputs": ids}))
     expected["lm/serving_default/logits"] = logits[np.arange(4), [len(r) - 1 for r in rows]]
+    expected["lm/ids/logits"] = logits  # every position, of ids shorter than seq_len
     jobs["lm"] = {"dir": second["export_dir"], "calls": {"serving_default": {"text": prompts},
-                                                         "generate": {"text": prompts[:2], "max_new_tokens": 5}}}
+                                                         "generate": {"text": prompts[:2], "max_new_tokens": 5},
+                                                         "ids": {"input_ids": ids.tolist()}}}
 
     # BERT and ResNet: initialized sharded, checkpointed at step 0, exported from the checkpoint.
     bert_cfg = bert.BertConfig(vocab_size=2048, seq_len=32, max_predictions=4, num_layers=1, hidden_size=64,
@@ -119,7 +124,13 @@ def exports(tmp_path_factory):
     expected["bert/serving_default/masked_lm_logits"] = on_host(mlm)
     expected["bert/serving_default/pooled_output"] = on_host(pooled)
     expected["bert/masks"] = [sum(x == prepare.MASK_ID for x in p) for p in pieces]
-    jobs["bert"] = {"dir": bert_export["export_dir"], "calls": {"serving_default": {"text": texts}}}
+    expected["bert/masked_lm_positions"] = batch["masked_lm_positions"]
+    # The ids signature on the same rows cut to the longest (shorter than seq_len).
+    longest = int(batch["input_mask"].sum(1).max())
+    cut = {k: batch[k][:, :longest] for k in ("input_ids", "segment_ids", "input_mask")}
+    expected["bert/ids/logits"] = on_host(sharded_forward(t, lambda m, b: m.sequence_logits(b), cut))
+    jobs["bert"] = {"dir": bert_export["export_dir"], "calls": {"serving_default": {"text": texts},
+                                                                "ids": {k: v.tolist() for k, v in cut.items()}}}
 
     res_cfg = resnet.ResNetConfig(depth=10, depth_multiplier=0.25, image_size=32, num_classes=10)
     t = restored_trainer(resnet.TASK, res_cfg, base / "resnet", save=True)
@@ -195,6 +206,29 @@ def test_fresh_process_gives_the_sharded_models_outputs(exports):
     assert served["transformer/serving_default/translation"].shape == (4,)
 
 
+def test_ids_signature_gives_the_models_logits_at_every_position(exports):
+    served, expected = exports["served"], exports["expected"]
+    lm = served["lm/ids/logits"]
+    assert lm.shape == expected["lm/ids/logits"].shape and lm.shape[1] < 64  # a length below seq_len
+    np.testing.assert_allclose(lm, expected["lm/ids/logits"], rtol=1e-5, atol=1e-5)
+    got = served["bert/ids/logits"]
+    np.testing.assert_allclose(got, expected["bert/ids/logits"], rtol=1e-5, atol=1e-5)
+    # The head at every position, gathered at the [MASK]s, is the raw-string signature's masked-LM head.
+    at_masks = np.take_along_axis(got, expected["bert/masked_lm_positions"][:, :, None], axis=1)
+    for i, n in enumerate(expected["bert/masks"]):
+        np.testing.assert_allclose(at_masks[i, :n], served["bert/serving_default/masked_lm_logits"][i, :n],
+                                   rtol=1e-5, atol=1e-5)
+    for job, names in (("second", ["input_ids"]), ("bert", ["input_ids", "segment_ids", "input_mask"])):
+        assert exports[job]["signatures"]["ids"] == {"inputs": {k: "int32(None, None)" for k in names},
+                                                     "outputs": {"logits": "float32(None, None, 2048)"}}
+        ids = tf.saved_model.load(exports[job]["export_dir"]).signatures["ids"]
+        args, kwargs = ids.structured_input_signature
+        assert args == () and {k: (s.dtype, s.shape.as_list()) for k, s in kwargs.items()} == {
+            k: (tf.int32, [None, None]) for k in names}
+        assert {k: (s.dtype, s.shape.as_list()) for k, s in ids.structured_outputs.items()} == {
+            "logits": (tf.float32, [None, None, 2048])}
+
+
 def test_saved_model_cli_lists_string_signatures(exports):
     dirs = [exports[k]["export_dir"] for k in ("second", "bert", "resnet", "transformer")]
     script = "; ".join(f"saved_model_cli show --all --dir {d}" for d in dirs)
@@ -206,6 +240,11 @@ def test_saved_model_cli_lists_string_signatures(exports):
     for name in ("inputs['text']", "inputs['max_new_tokens']", "inputs['image_bytes']"):
         assert name in out
     assert out.count("dtype: DT_STRING\n        shape: (-1)") >= 5  # every string input has a dynamic batch
+    ids = re.findall(r"signature_def\['ids'\]:\n.*?Method name", out, re.S)  # the LM's, then BERT's
+    tensor = r"s\['(\w+)'\] tensor_info:\n\s+dtype: DT_{}\n\s+shape: \({}\)"
+    assert [re.findall("input" + tensor.format("INT32", "-1, -1"), i) for i in ids] == [
+        ["input_ids"], ["input_ids", "input_mask", "segment_ids"]]
+    assert [re.findall("output" + tensor.format("FLOAT", "-1, -1, 2048"), i) for i in ids] == [["logits"]] * 2
 
 
 def test_predict_request_has_exactly_the_signature_inputs(exports):
@@ -232,3 +271,65 @@ def test_predict_request_has_exactly_the_signature_inputs(exports):
 def test_export_without_a_run_is_one_line(tmp_path):
     with pytest.raises(UserError, match="config.gin does not exist"):
         export.saved_model(str(tmp_path))
+
+
+def initialized(task, config):
+    """The task's single-device model with fresh weights (as export builds it, without a checkpoint)."""
+    model = task.build(config)
+    example = {k: tf.zeros([1] + list(s.shape[1:]), s.dtype) for k, s in task.input_signature(config).items()}
+    model(task.model_inputs(example), training=False)
+    return model
+
+
+@pytest.mark.unit
+def test_without_a_vocabulary_ids_is_the_default_signature(tmp_path):
+    """LM data of token ids, BERT's create_pretraining_data.py records: no tokenizer; `ids` alone, also as
+    serving_default; bad ids fail with one line saying what to send."""
+    rng = np.random.default_rng(0)
+    lm_cfg = gpt.GPTConfig(vocab_size=64, seq_len=16, num_layers=1, embed_dim=16, num_heads=2, mlp_dim=32)
+    bert_cfg = bert.BertConfig(vocab_size=64, seq_len=16, max_predictions=4, num_layers=1, hidden_size=16,
+                               num_heads=2, intermediate_size=32, dropout=0.0, attention_dropout=0.0)
+    ids = rng.integers(0, 64, [3, 7]).astype(np.int32)
+    bert_inputs = {"input_ids": ids, "segment_ids": (np.arange(7) >= 3).astype(np.int32)[None].repeat(3, 0),
+                   "input_mask": (np.arange(7) < 6).astype(np.int32)[None].repeat(3, 0)}
+    cases = ((gpt.TASK, lm_cfg, lm_data.LMDataConfig(format="ids", eos_id=63), {"input_ids": ids}, lambda m, x: m({"inputs": x["input_ids"]})),
+             (bert.TASK, bert_cfg, bert_data.BertDataConfig(format="records"), bert_inputs,
+              lambda m, x: m.sequence_logits(x)))
+    served = {}
+    for task, cfg, data_cfg, inputs, forward in cases:
+        model = initialized(task, cfg)
+        module, signatures = task.serving(model, cfg, data_cfg)
+        assert set(signatures) == {"serving_default", "ids"} and signatures["serving_default"] is signatures["ids"]
+        sig = tf.saved_model.load(export.write(module, signatures, str(tmp_path / task.name))).signatures
+        assert set(sig) == {"serving_default", "ids"}
+        got = sig["serving_default"](**{k: tf.constant(v) for k, v in inputs.items()})["logits"].numpy()
+        np.testing.assert_allclose(got, forward(model, inputs).numpy(), rtol=1e-5, atol=1e-5)
+        served[task.name] = sig["ids"]
+    for bad, message in (({"input_ids": np.zeros([1, 17], np.int32)},
+                          r"input_ids has 17 positions, more than seq_len=16, the size of the model position table"),
+                         ({"input_ids": ids * 0 + 64}, r"input_ids holds values from 64 to 64, outside \[0, 64\)")):
+        with pytest.raises(tf.errors.InvalidArgumentError, match=message):
+            served["gpt"](**{k: tf.constant(v) for k, v in bad.items()})
+    for bad, message in (({**bert_inputs, "segment_ids": ids[:, :3]}, r"segment_ids has shape \[3 3\] but input_ids "
+                                                                      r"\[3 7\]: send every input"),
+                         ({**bert_inputs, "input_mask": ids * 0 + 2}, r"input_mask holds values from 2 to 2, "
+                                                                      r"outside \[0, 2\) \(1 for a token")):
+        with pytest.raises(tf.errors.InvalidArgumentError, match=message):
+            served["bert"](**{k: tf.constant(v) for k, v in bad.items()})
+
+
+@pytest.mark.unit
+def test_moe_serves_ids_padded_to_whole_sequences(tmp_path):
+    """MoE's routing groups are slices of seq_len tokens: its signatures run the model on ids padded to seq_len."""
+    cfg = moe.MoEConfig(vocab_size=2048, seq_len=16, num_layers=2, embed_dim=16, num_heads=2, mlp_dim=32,
+                        num_experts=2, expert_mlp_dim=16, moe_every=2, group_size=8)
+    model = initialized(moe.TASK, cfg)
+    module, signatures = moe.TASK.serving(model, cfg, lm_data.LMDataConfig())
+    assert set(signatures) == {"serving_default", "generate", "ids"}
+    sig = tf.saved_model.load(export.write(module, signatures, str(tmp_path))).signatures
+    ids = np.random.default_rng(0).integers(0, 2048, [2, 5]).astype(np.int32)
+    got = sig["ids"](input_ids=tf.constant(ids))["logits"].numpy()
+    want = model({"inputs": np.pad(ids, [[0, 0], [0, 11]])}, training=False).numpy()[:, :5]
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    assert sig["serving_default"](text=tf.constant(["import os"]))["logits"].shape == (1, 2048)
+    assert sig["generate"](text=tf.constant(["import os"]), max_new_tokens=tf.constant(3))["ids"].shape == (1, 3)

@@ -212,7 +212,8 @@ def run(gin_files: list[str], gin_params: list[str], model_dir: str, mode: str =
     """Parses the gin config, checks every config, and runs `mode` in model_dir.
 
     Args:
-      gin_files: gin files, applied in order (tfpod's gin/ folder is searched too).
+      gin_files: gin files, applied in order (tfpod's gin/ folder is searched too); none:
+        model_dir/config.gin when it exists (the run's own config, e.g. an imported model's).
       gin_params: bindings applied after them, e.g. "train.steps=200".
       model_dir: the run's folder.
       mode: a key of MODES.
@@ -225,6 +226,10 @@ def run(gin_files: list[str], gin_params: list[str], model_dir: str, mode: str =
         raise UserError("--model_dir is required: the folder for checkpoints, config.gin and metrics")
     if mode not in MODES:
         raise UserError(f"--mode={mode!r}: use one of {', '.join(MODES)}")
+    saved = os.path.join(model_dir, "config.gin")
+    if not gin_files and os.path.isfile(saved):  # a run's own config (e.g. an imported model's): train on
+        gin_files = [saved]
+        log.info("config: %s (no --gin_file given)", saved)
     config.parse_config(gin_files, gin_params)
     configs = build_run_configs()
     return MODES[mode](configs, model_dir, RunOptions(**options))

@@ -68,6 +68,7 @@ class CheckpointManager:
         self.directory = os.path.join(model_dir, "checkpoints")
         self._step = step
         self._ckpt = tf.train.Checkpoint(**trackables)
+        self._model = trackables.get("model")
         self._manager = tf.train.CheckpointManager(self._ckpt, self.directory, max_to_keep=keep, step_counter=step)
         # A save or restore names its files on DTensor's default mesh: make that the step's
         # (pipeline stages' variables are saved through the first stage, stages.save_through).
@@ -107,6 +108,20 @@ class CheckpointManager:
             stages.apply_restored()  # pipeline stages' variables, read through the first stage
         except (AssertionError, ValueError) as e:
             raise UserError(f"checkpoint {path} is not of this model ({first_line(e)}); {fix}") from None
+
+    def restore_weights(self, path: str, what: str) -> None:
+        """Only the model's weights of checkpoint `path` (not the optimizer state or the step).
+
+        Raises:
+          UserError: the checkpoint is of another model (`what` names the setting that gave it).
+        """
+        ckpt = tf.train.Checkpoint(model=self._model)
+        problem = mismatch(ckpt, path, weights_only=True)
+        if problem:
+            raise UserError(f"{what}={path} is not of this model: {problem}; pass a checkpoint of the same model config")
+        with self._mesh():
+            ckpt.restore(path).expect_partial().assert_existing_objects_matched()
+        stages.apply_restored()
 
     def restore_latest(self) -> int | None:
         """Restores the newest complete, readable checkpoint if there is one; returns its step or None.
@@ -219,6 +234,19 @@ class NonfiniteState(UserError):
             f"of them; {newest_checkpoint(newest)}: lower optimizer.learning_rate, raise optimizer.warmup_steps "
             "or set optimizer.clip_norm"
         )
+
+
+def resolve(path: str, what: str) -> str:
+    """A checkpoint prefix (D/checkpoints/ckpt-N), or a run's folder or its checkpoints
+    folder: the newest complete checkpoint there. One UserError line when there is none."""
+    if tf.io.gfile.exists(path + ".index"):
+        return path
+    for directory in (os.path.join(path, "checkpoints"), path):
+        steps = complete_steps(directory) if tf.io.gfile.isdir(directory) else []
+        if steps:
+            return os.path.join(directory, f"ckpt-{steps[-1]}")
+    raise UserError(f"{what}={path}: no checkpoint there (expected a prefix such as D/checkpoints/ckpt-N with its "
+                    ".index file, or a run's folder holding checkpoints/)")
 
 
 def newest_checkpoint(path: str | None) -> str:
@@ -420,7 +448,8 @@ class InputCheckpoint:
         if tf.io.gfile.exists(self._source_path(step)):
             with tf.io.gfile.GFile(self._source_path(step)) as f:
                 stored = json.load(f)
-        if stored is not None and self.source is not None and stored != self.source:
+        # A setting the stored record lacks (one a later tfpod added) cannot have been changed by that run.
+        if stored is not None and self.source is not None and stored != {k: self.source.get(k) for k in stored}:
             return self._cannot(step, f"the input changed since checkpoint step {step} "
                                       f"({source_changes(stored, self.source)})", strict, "skipped")
         try:
@@ -445,7 +474,7 @@ def source_changes(before: dict, now: dict, show: int = 3) -> str:
     """What differs between two input sources, in a few words (`InputCheckpoint`)."""
     short = lambda v: (repr(v) if len(repr(v)) <= 60 else repr(v)[:57] + "...")
     parts = []
-    for key in sorted(set(before) | set(now)):
+    for key in sorted(before):
         old, new = before.get(key), now.get(key)
         if old == new:
             continue

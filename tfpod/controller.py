@@ -64,6 +64,10 @@ class TrainConfig:
       microbatches: the global batch is split into this many microbatches whose gradients
         accumulate before one optimizer step (with a `stage` mesh axis, the pipeline's
         microbatches; tfpod.pipeline).
+      init_from: a checkpoint (a prefix such as D/checkpoints/ckpt-0, or a run's folder:
+        its newest) whose model weights a run without checkpoints of its own starts from;
+        its optimizer state and step are not read (fine-tuning). A run that has
+        checkpoints resumes from them instead.
     """
 
     steps: int = 100
@@ -83,6 +87,7 @@ class TrainConfig:
     max_nonfinite: int = 3
     strict_resume: bool = False
     microbatches: int = 1
+    init_from: str | None = None
 
     def reached(self, result: Mapping[str, float]) -> bool:
         """Whether an eval result reaches the target (never without one)."""
@@ -151,8 +156,19 @@ class Controller:
 
         `train` uses this restore instead of its own when it was called first.
         """
-        self._restored = (self.checkpoints.restore_latest(),)
+        self._restored = (self._resume(),)
         return self._restored[0]
+
+    def _resume(self) -> int | None:
+        """The newest checkpoint's step; without one, the weights of train.init_from (step None)."""
+        step = self.checkpoints.restore_latest()
+        if self.cfg.init_from and step is not None:
+            log.info("train.init_from=%s not read: resuming this run from its own step %d", self.cfg.init_from, step)
+        elif self.cfg.init_from:
+            path = checkpoint.resolve(self.cfg.init_from, "train.init_from")
+            self.checkpoints.restore_weights(path, "train.init_from")
+            log.info("weights from %s (train.init_from); the optimizer state and the step start fresh", path)
+        return step
 
     def synthetic_feed(self) -> feeding.SyntheticFeed:
         """This host's rows of synthetic batches of the task's shapes, seeded by (train.seed, step)."""
@@ -202,7 +218,7 @@ class Controller:
           "preempted": whether SIGTERM stopped the run}.
         """
         c = self.cfg
-        resumed = self._restored[0] if self._restored is not None else self.checkpoints.restore_latest()
+        resumed = self._restored[0] if self._restored is not None else self._resume()
         self._restored = None
         step = resumed or 0
         if step >= c.steps:

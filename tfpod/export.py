@@ -12,8 +12,10 @@ optimizer state is left out.
 The serving graph is the task's `serving(model, model_config, data_config)`: signatures
 whose first dimension (the batch) is dynamic and whose inputs are what a client has: raw
 strings for the text models (the tensorflow-text tokenizer is inside the graph), JPEG
-bytes for the image model. Loading the export needs only tensorflow and
-tensorflow_text (for the tokenizer ops).
+bytes for the image model; the LM and BERT also have `ids`, on int32 token ids
+[batch, length], for clients that tokenize themselves (trained without a SentencePiece
+vocabulary, `ids` is their only signature, also as serving_default). Loading the export
+needs only tensorflow and tensorflow_text (for the tokenizer ops).
 
 Versions are integers, a new one per export (the highest present + 1): TF Serving's
 model server watches `export/<name>/` and serves the newest. Each version is written to
@@ -139,7 +141,10 @@ def export(task, model_config, data_config, model_dir: str, checkpoint: str | No
         for name, fn in signatures.items()
     }
     step = int(path.rsplit("-", 1)[1])
-    log.info("exported %s (step %d) to %s: signatures %s", path, step, final, ", ".join(sorted(described)))
+    default = signatures.get("serving_default")  # may be another signature under a second name (`ids`)
+    same = [name for name, fn in sorted(signatures.items()) if fn is default and name != "serving_default"]
+    listed = [f"{name} (= {same[0]})" if name == "serving_default" and same else name for name in sorted(described)]
+    log.info("exported %s (step %d) to %s: signatures %s", path, step, final, ", ".join(listed))
     return {"export_dir": final, "version": int(os.path.basename(final)), "step": step, "signatures": described}
 
 

@@ -78,10 +78,11 @@ class DatasetFeed:
                       "hosts": self.num_hosts, "host": self.host_id}
             make = lambda it: checkpoint.InputCheckpoint(self.model_dir, self.host_id, it, self.keep, source)
             self._input_ckpt = make(iterator)
-            if resumed is not None and self._input_ckpt.restore(resumed, strict=self.strict) == "failed":
+            # (a step-0 checkpoint, e.g. an imported model's, starts the input at its beginning: exact)
+            if resumed and self._input_ckpt.restore(resumed, strict=self.strict) == "failed":
                 iterator = iter(self.task_input.train(self.host_rows))  # a new dataset: the failed restore may have left it half set
                 self._input_ckpt = make(iterator)
-        elif resumed is not None:
+        elif resumed:
             if self.strict:
                 raise UserError("input read through the tf.data service cannot resume where it left off: unset its "
                                 "service_address, or set train.strict_resume=False to start it over")
@@ -99,6 +100,11 @@ class DatasetFeed:
                 ) from None
             except tf.errors.DataLossError as e:
                 raise UserError(f"corrupt input data ({checkpoint.first_line(e)}): {self._corrupt_hint()}") from None
+            except tf.errors.InvalidArgumentError as e:  # an input pipeline's own check (e.g. an id past the vocab)
+                text = str(e)
+                if "assertion failed: [" not in text:
+                    raise
+                raise UserError(text.split("assertion failed: [", 1)[1].split("]", 1)[0]) from None
             yield {k: v.numpy() for k, v in batch.items()}
 
     def _corrupt_hint(self) -> str:

@@ -67,9 +67,12 @@ def gelu(x: tf.Tensor):
 
 
 def activation(name):
-    """A Keras activation by name, with "gelu" (exact) as the fused `gelu`."""
+    """A Keras activation by name, with "gelu" (exact) as the fused `gelu` and
+    "gelu_approximate" the tanh form (GPT-2's gelu_new)."""
     if name == "gelu":
         return gelu
+    if name == "gelu_approximate":
+        return lambda x: tf_keras.activations.gelu(x, approximate=True)
     return tf_keras.activations.get(name)
 
 

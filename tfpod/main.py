@@ -18,7 +18,8 @@ from tfpod import UserError, api, console, preemption
 
 FLAGS = flags.FLAGS
 
-flags.DEFINE_multi_string("gin_file", [], "gin config file(s), applied in order (gin/ is searched too)")
+flags.DEFINE_multi_string("gin_file", [], "gin config file(s), applied in order (gin/ is searched too); none: "
+                          "model_dir/config.gin if it exists (a run's own, e.g. an imported model's)")
 flags.DEFINE_multi_string("gin_param", [], "gin binding(s), e.g. train.steps=200; applied after the files")
 flags.DEFINE_string("model_dir", None, "output directory: checkpoints, config.gin, layouts.txt, metrics.jsonl, events")
 flags.DEFINE_enum("mode", "train", list(api.MODES), "what to do")

@@ -55,7 +55,7 @@ from tfpod.partitioning import spatial, stages
 from tfpod.partitioning.build import (build_sharded, compute_layout, gather_when_used, gathered_weights, rows_split,
                                       update_layout, variable_specs)
 from tfpod.partitioning.dropout import random_layout, replayable_dropout
-from tfpod.partitioning.placement import Placement, batch_mesh_axis, host_rows, local_shards
+from tfpod.partitioning.placement import Placement, batch_mesh_axis, host_rows, local_shards, place
 from tfpod.partitioning.report import bytes_per_device, layout_report
 from tfpod.partitioning.rules import (GATHER_AXIS, LOGICAL_AXES, PRESETS, UPDATE_AXIS, AxisRule, ShardingConfig, VarSpec,
                                       check_mesh_axes, layout_for, resolve, rules_table)
@@ -79,6 +79,7 @@ __all__ = [
     "batch_mesh_axis",
     "host_rows",
     "local_shards",
+    "place",
     "bytes_per_device",
     "layout_report",
     "GATHER_AXIS",

@@ -190,14 +190,25 @@ class Placement:
 
 def _shard_other_dims(piece: tf.Tensor, layout: dtensor.Layout, loc: Mapping[str, int], leading_dims: int) -> tf.Tensor:
     """Slices non-batch dimensions a rule shards too (e.g. length under sequence parallelism)."""
+    return device_slice(piece, layout, loc, skip=leading_dims)
+
+
+def device_slice(value, layout: dtensor.Layout, loc: Mapping[str, int], skip: int | None = None):
+    """The piece of a whole value [*shape] that the device at mesh location `loc` holds
+    under `layout` (dimension `skip` left whole); a tf.Tensor or numpy array."""
     for dim, spec in enumerate(layout.sharding_specs):
-        if dim == leading_dims or spec == dtensor.UNSHARDED:
+        if dim == skip or spec == dtensor.UNSHARDED:
             continue
-        n = layout.mesh.dim_size(spec)
-        size = piece.shape[dim] // n
-        begin = [0] * piece.shape.rank
-        begin[dim] = loc[spec] * size
-        extent = [-1] * piece.shape.rank
-        extent[dim] = size
-        piece = tf.slice(piece, begin, extent)
-    return piece
+        size = value.shape[dim] // layout.mesh.dim_size(spec)
+        index = [slice(None)] * len(value.shape)
+        index[dim] = slice(loc[spec] * size, (loc[spec] + 1) * size)
+        value = value[tuple(index)]
+    return value
+
+
+def place(value: np.ndarray, layout: dtensor.Layout) -> tf.Tensor:
+    """A whole host array as a DTensor of `layout`: each of this host's devices gets only
+    its own piece (e.g. a checkpoint tensor read once, put straight into its layout)."""
+    components = [tf.convert_to_tensor(device_slice(value, layout, loc))
+                  for loc in layout.mesh.local_device_locations()]
+    return dtensor.pack(components, layout)

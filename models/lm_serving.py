@@ -1,0 +1,141 @@
+"""The LM's SavedModel signatures (gpt and moe; tfpod.export): raw strings and token ids.
+
+`id_checks` guards any signature on token ids (BERT's `ids` too): one readable line for
+a row longer than the position table, ids outside the vocabulary, or mismatched inputs.
+"""
+
+from __future__ import annotations
+
+import tensorflow as tf
+
+from tfpod.input import lm_data
+
+
+def id_checks(inputs: dict, limits: dict, seq_len: int) -> list:
+    """Assert ops on a serving signature's int32 [batch, length] inputs, each failing with one line
+    (what, which input, how to fix): every input has the first one's shape, at most seq_len
+    positions (the position table), and values in [0, limit).
+
+    Args:
+      inputs: {name: int32 [batch, length]}, in the signature's order.
+      limits: {name: (limit, what it is, e.g. "vocab_size of the model")}: the input's values
+        must be in [0, limit). (No quote marks in messages: the error escapes them.)
+      seq_len: the size of the model's position table.
+
+    Returns:
+      The assert ops (run them with tf.control_dependencies before the model).
+    """
+    (first, ids), *others = inputs.items()
+    length = tf.shape(ids)[1]
+    checks = [tf.debugging.Assert(length <= seq_len, [tf.strings.format(
+        f"{first} has {{}} positions, more than seq_len={seq_len}, the size of the model position table: "
+        f"send at most {seq_len} per row", [length])])]
+    for name, x in others:
+        checks.append(tf.debugging.Assert(tf.reduce_all(tf.equal(tf.shape(x), tf.shape(ids))), [tf.strings.format(
+            f"{name} has shape {{}} but {first} {{}}: send every input of the signature with one shape "
+            "[batch, length]", [tf.shape(x), tf.shape(ids)])]))
+    for name, (limit, what) in limits.items():
+        x = inputs[name]
+        low, high = tf.reduce_min(x), tf.reduce_max(x)
+        checks.append(tf.debugging.Assert((low >= 0) & (high < limit), [tf.strings.format(
+            f"{name} holds values from {{}} to {{}}, outside [0, {limit}) ({what}): send values in that range",
+            [low, high])]))
+    return checks
+
+
+def serving(model, config, data_config, whole_sequences: bool = False) -> tuple[tf.Module, dict]:
+    """The LM's SavedModel signatures (tfpod.export), on raw strings and on token ids.
+
+    A prompt is tokenized in the graph (the run's SentencePiece model) after an EOS, the
+    document boundary the LM saw in training, and only its last seq_len pieces are kept.
+
+      serving_default(text string [batch]) ->
+        logits float32 [batch, vocab]  the next token's logits after each prompt
+        next_token_id int32 [batch], next_token string [batch]  its argmax and piece
+      generate(text string [batch], max_new_tokens int32 []) ->
+        ids int32 [batch, max_new_tokens]  greedy continuation (the model run on the
+          last seq_len tokens each step)
+        text string [batch]  the continuation decoded, up to its first EOS
+      ids(input_ids int32 [batch, length]) ->
+        logits float32 [batch, length, vocab]  each position's next-token logits, for
+          clients that tokenize themselves; length is at most seq_len, and (the model
+          being causal) right padding leaves the earlier positions' logits unchanged
+
+    With pre-tokenized data (lm_data.format='ids': no SentencePiece vocabulary) the export
+    has the `ids` signature alone, also as serving_default (TF Serving's default).
+
+    With `whole_sequences` (MoE: its routing groups are slices of seq_len tokens) the
+    model runs on ids right-padded with 0 to seq_len, and its logits are cut back to the
+    ids' length; its routing (not causal) then sees the padding.
+    """
+    seq_len = config.seq_len
+
+    def logits_of(ids: tf.Tensor) -> tf.Tensor:
+        """The model's logits [batch, length, vocab] of ids [batch, length <= seq_len]."""
+        if not whole_sequences:
+            return model({"inputs": ids}, training=False)
+        length = tf.shape(ids)[1]
+        padded = tf.ensure_shape(tf.pad(ids, [[0, 0], [0, seq_len - length]]), [None, seq_len])  # [batch, seq_len]
+        return model({"inputs": padded}, training=False)[:, :length]
+
+    @tf.function(input_signature=[tf.TensorSpec([None, None], tf.int32, name="input_ids")])
+    def ids_signature(input_ids):
+        with tf.control_dependencies(id_checks({"input_ids": input_ids},
+                                               {"input_ids": (config.vocab_size, "vocab_size of the model")}, seq_len)):
+            return {"logits": logits_of(tf.identity(input_ids))}
+
+    module = tf.Module()
+    module.model = model
+    ids = ids_signature.get_concrete_function()
+    if getattr(data_config, "format", None) == "ids":  # pre-tokenized data: no vocabulary to tokenize with
+        return module, {"serving_default": ids, "ids": ids}
+
+    from tfpod.input import prepare, text as text_lib
+
+    tokenizer = text_lib.load_tokenizer(lm_data.resolve(data_config).vocab_path)
+    module.tokenizer = tokenizer
+    eos = prepare.EOS_ID
+
+    def prompts(texts):
+        ids = tokenizer.tokenize(texts)  # ragged [batch, pieces]
+        start = tf.RaggedTensor.from_tensor(tf.fill([tf.shape(texts)[0], 1], eos))
+        return tf.concat([start, ids], axis=1)[:, -seq_len:]
+
+    @tf.function(input_signature=[tf.TensorSpec([None], tf.string, name="text")])
+    def serving_default(texts):
+        ids = prompts(texts)
+        logits = logits_of(ids.to_tensor(0))  # [batch, length, vocab]
+        last = tf.gather(logits, tf.cast(ids.row_lengths(), tf.int32) - 1, batch_dims=1)  # [batch, vocab]
+        next_id = tf.argmax(last, axis=-1, output_type=tf.int32)
+        return {"logits": last, "next_token_id": next_id, "next_token": tokenizer.id_to_string(next_id)}
+
+    @tf.function(input_signature=[tf.TensorSpec([None], tf.string, name="text"),
+                                  tf.TensorSpec([], tf.int32, name="max_new_tokens")])
+    def generate(texts, max_new_tokens):
+        ids = prompts(texts)
+        rows = tf.shape(texts)[0]
+        lengths = tf.cast(ids.row_lengths(), tf.int32)  # [batch]
+        buffer = tf.pad(ids.to_tensor(0), [[0, 0], [0, max_new_tokens]])  # [batch, total]
+        total = tf.shape(buffer)[1]
+        width = tf.minimum(seq_len, total)
+
+        def step(i, buffer, lengths, out):
+            start = tf.maximum(lengths - seq_len, 0)  # [batch]: the last seq_len tokens
+            index = tf.minimum(start[:, None] + tf.range(width)[None, :], total - 1)
+            logits = logits_of(tf.gather(buffer, index, batch_dims=1))
+            last = tf.gather(logits, lengths - 1 - start, batch_dims=1)  # [batch, vocab]
+            new = tf.argmax(last, axis=-1, output_type=tf.int32)
+            buffer = tf.tensor_scatter_nd_update(buffer, tf.stack([tf.range(rows), lengths], axis=1), new)
+            return i + 1, buffer, lengths + 1, out.write(i, new)
+
+        out = tf.TensorArray(tf.int32, size=max_new_tokens, element_shape=[None])
+        _, _, _, out = tf.while_loop(lambda i, *_: i < max_new_tokens, step,
+                                     (tf.constant(0), buffer, lengths, out))
+        new_ids = tf.reshape(tf.transpose(out.stack()), [rows, max_new_tokens])  # [batch, max_new_tokens]
+        before_eos = tf.reduce_sum(tf.cast(tf.equal(tf.cumsum(tf.cast(tf.equal(new_ids, eos), tf.int32), axis=1), 0),
+                                           tf.int32), axis=1)
+        decoded = tokenizer.detokenize(tf.RaggedTensor.from_tensor(new_ids, lengths=before_eos))
+        return {"ids": new_ids, "text": decoded}
+
+    return module, {"serving_default": serving_default.get_concrete_function(),
+                    "generate": generate.get_concrete_function(), "ids": ids}
