@@ -9,12 +9,14 @@ and the loss of the sharded model on 8 devices. tfpod's export is read back by
 transformers' from_pretrained with the same logits.
 """
 
+import dataclasses
 import json
 import os
 
 import numpy as np
 import pytest
 import tensorflow as tf
+from tensorflow.experimental import dtensor
 
 from conftest import main_py, make_run, run_module
 
@@ -97,13 +99,16 @@ def test_gpt2_fine_tunes_from_its_config_and_exports_back_to_transformers(gpt2, 
              "--gin_param=optimizer.learning_rate=1e-3", "--gin_param=optimizer.warmup_steps=0"]
     tuned = main_py(f"--model_dir={run}", "--gin_param=train.steps=2", *short)  # no --gin_file: run/config.gin
     assert tuned.returncode == 0, tuned.stderr
-    # train.init_from: the imported weights in a fresh folder, fresh optimizer: the same first loss.
-    fresh = main_py(f"--gin_file={run / 'config.gin'}", f"--model_dir={tmp_path / 'fresh'}", "--gin_param=train.steps=1",
-                    f"--gin_param=train.init_from='{run}/checkpoints/ckpt-0'", *short)
-    assert fresh.returncode == 0, fresh.stderr
-    first = lambda folder: next(json.loads(line)["loss"] for line in open(folder / "metrics.jsonl")
-                                if json.loads(line).get("kind", "train") == "train" and "loss" in json.loads(line))
-    np.testing.assert_allclose(first(tmp_path / "fresh"), first(run), rtol=1e-6)
+    # train.init_from: the imported weights in a fresh folder (not its step): the same first loss.
+    c, _ = single_device(run)
+    fresh = make_run(c.task, c.model, TrainConfig(steps=1, global_batch_size=8, synthetic_data=True,
+                                                  init_from=f"{run}/checkpoints/ckpt-0"), optimizers.OptimizerConfig(),
+                     "data:4,model:2", tmp_path / "fresh", preset="tensor")
+    with pytest.raises(UserError, match="not of this model"):  # a checkpoint of another model is one line
+        make_run(c.task, dataclasses.replace(c.model, mlp_dim=64), TrainConfig(init_from=str(run)),
+                 optimizers.OptimizerConfig(), "data:8", tmp_path / "other").restore()
+    first = next(json.loads(line)["loss"] for line in open(run / "metrics.jsonl") if '"train"' in line)
+    np.testing.assert_allclose(fresh.train()["losses"][0], first, rtol=1e-5)
 
     convert.export_hub(str(run), str(out))
     hub_model = transformers.TFGPT2LMHeadModel.from_pretrained(str(out))
@@ -144,6 +149,14 @@ def test_bert_for_pretraining_imports_and_exports_with_transformers_logits(tmp_p
     mlm, nsp = model({k: tf.constant(v) for k, v in batch.items()}, training=False, with_next_sentence=True)
     assert np.max(np.abs(mlm.numpy() - expected)) <= 1e-4
     assert np.max(np.abs(nsp.numpy() - hub_out.seq_relationship_logits.numpy())) <= 1e-4
+    # The model as it sits on 8 devices under `tensor` gives the same logits.
+    sharded = make_run(c.task, c.model, TrainConfig(steps=1, global_batch_size=4, synthetic_data=True),
+                       optimizers.OptimizerConfig(), "data:2,model:4", run, preset="tensor")
+    assert sharded.restore() == 0
+    placement = sharded.trainer.placement
+    on_mesh = sharded.trainer.model(placement.to_global(batch, c.task.batch_axes()), training=False)
+    whole = dtensor.unpack(dtensor.relayout(on_mesh, dtensor.Layout.replicated(placement.mesh, 3)))[0]
+    assert np.max(np.abs(whole.numpy() - expected)) <= 1e-4
 
     convert.export_hub(str(run), str(out))
     back = transformers.TFBertForPreTraining.from_pretrained(str(out))(
