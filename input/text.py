@@ -90,6 +90,21 @@ def _check_positive(**values: int) -> None:
             raise UserError(f"{name}={value!r} must be a positive integer")
 
 
+def read_vocabulary(vocab_path: str, kind: str, fix: str) -> bytes:
+    """A vocabulary file's bytes; one UserError line (naming `kind` and `fix`) when it is
+    missing, unreadable or empty."""
+    if not tf.io.gfile.exists(vocab_path):
+        raise UserError(f"{kind} vocabulary {vocab_path} does not exist: {fix}")
+    try:
+        with tf.io.gfile.GFile(vocab_path, "rb") as f:
+            raw = f.read()
+    except (tf.errors.OpError, OSError) as e:
+        raise UserError(f"{kind} vocabulary {vocab_path} cannot be read ({type(e).__name__}): {fix}") from None
+    if not raw.strip():
+        raise UserError(f"{kind} vocabulary {vocab_path} is empty: {fix}")
+    return raw
+
+
 def load_tokenizer(vocab_path: str, lower_case: bool = True):
     """Loads a vocabulary as an in-graph tokenizer: a SentencePiece model, or a WordPiece vocab.txt.
 
@@ -116,15 +131,7 @@ def load_tokenizer(vocab_path: str, lower_case: bool = True):
     if vocab_path.endswith(".txt"):
         return WordPieceTokenizer.load(vocab_path, lower_case)
     fix = "run python -m tfpod.input.prepare or set lm_data.vocab_path to a SentencePiece .model file"
-    if not tf.io.gfile.exists(vocab_path):
-        raise UserError(f"SentencePiece vocabulary {vocab_path} does not exist: {fix}")
-    try:
-        with tf.io.gfile.GFile(vocab_path, "rb") as f:
-            model = f.read()
-    except (tf.errors.OpError, OSError) as e:
-        raise UserError(f"SentencePiece vocabulary {vocab_path} cannot be read ({type(e).__name__}): {fix}") from None
-    if not model:
-        raise UserError(f"SentencePiece vocabulary {vocab_path} is empty: {fix}")
+    model = read_vocabulary(vocab_path, "SentencePiece", fix)
     try:
         tokenizer = tf_text.SentencepieceTokenizer(model=model, out_type=tf.int32, add_eos=False)
         tokenizer.tokenize(tf.constant(["a"]))  # forces the model to load and parse
@@ -193,15 +200,7 @@ class WordPieceTokenizer(tf.Module):
           UserError: the file is missing, unreadable, empty, not UTF-8 text, or has no [UNK].
         """
         fix = "give a WordPiece vocab.txt (one piece per line, as published with BERT), or a SentencePiece .model"
-        if not tf.io.gfile.exists(vocab_path):
-            raise UserError(f"WordPiece vocabulary {vocab_path} does not exist: {fix}")
-        try:
-            with tf.io.gfile.GFile(vocab_path, "rb") as f:
-                raw = f.read()
-        except (tf.errors.OpError, OSError) as e:
-            raise UserError(f"WordPiece vocabulary {vocab_path} cannot be read ({type(e).__name__}): {fix}") from None
-        if not raw.strip():
-            raise UserError(f"WordPiece vocabulary {vocab_path} is empty: {fix}")
+        raw = read_vocabulary(vocab_path, "WordPiece", fix)
         try:
             content = raw.decode("utf-8")
         except UnicodeDecodeError as e:
