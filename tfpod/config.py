@@ -55,8 +55,11 @@ def _register() -> dict:
 
 
 def gin_search_dirs() -> list[str]:
-    """Folders holding tfpod's gin files: <checkout>/gin from a clone, tfpod/gin installed."""
-    return [d for d in (os.path.join(p, "gin") for p in tfpod.__path__) if os.path.isdir(d)]
+    """Folders holding tfpod's gin files: tfpod/gin installed, <checkout>/gin from a clone
+    (or an editable install of one), whatever the working directory."""
+    found = [os.path.join(p, "gin") for p in tfpod.__path__] + [os.path.join(os.path.dirname(p), "gin")
+                                                               for p in tfpod.__path__]
+    return [d for d in dict.fromkeys(os.path.abspath(d) for d in found) if os.path.isdir(d)]
 
 
 def resolve_gin_file(path: str) -> str:

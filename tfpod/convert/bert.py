@@ -116,4 +116,5 @@ def skipped(name: str) -> bool:
 def gin(c: bert.BertConfig, hub: dict) -> list[str]:
     """The data lines of an imported BERT's config.gin: its WordPiece vocab.txt when the folder has one."""
     del c, hub
-    return ["# Put the model's WordPiece vocab.txt in bert_data.vocab_path for text masked online."]
+    return ["# bert_data.vocab_path: the model's WordPiece vocab.txt, for text masked online (set below when",
+            "# the imported folder had one). Text has no sentence pairs: train it with bert.next_sentence = False."]

@@ -23,6 +23,7 @@ from tfpod.convert.params import Param
 log = logging.getLogger("tfpod")
 
 FAMILIES = {gpt2.MODEL_TYPE: gpt2, bert.MODEL_TYPE: bert}
+BASE_GIN = "run/base.gin"  # the run defaults every experiment includes (tfpod's gin/ folder)
 
 
 def family_of(hub_config: dict):
@@ -69,7 +70,7 @@ def gin_text(family, model_config, hub_config: dict, extra: list[str]) -> str:
     """config.gin of an imported model: the run defaults, the model, fine-tuning defaults."""
     lines = [f"# Imported from a Hugging Face {hub_config.get('model_type')} checkpoint "
              "(python -m tfpod.convert import); train on with python main.py --model_dir=<this folder>.",
-             "include 'run/base.gin'", f"experiment.model = '{family.TASK}'"]
+             f"include '{BASE_GIN}'", f"experiment.model = '{family.TASK}'"]
     for field in dataclasses.fields(model_config):
         lines.append(f"{family.TASK}.{field.name} = {getattr(model_config, field.name)!r}")
     lines += ["train.steps = 100", "train.global_batch_size = 8", "train.checkpoint_every = 100",
@@ -125,7 +126,9 @@ def write_run(family, architecture: str, model_config, source_config: dict, arra
         shutil.copy(vocab, os.path.join(model_dir, "vocab.txt"))
         extra.append(f"bert_data.vocab_path = {os.path.abspath(os.path.join(model_dir, 'vocab.txt'))!r}")
     text = gin_text(family, model_config, source_config, extra)
-    config.parse_config([], text.splitlines() + list(gin_params))
+    # gin resolves an include only from a file: the run defaults as one, the rest as bindings
+    config.parse_config([BASE_GIN], [line for line in text.splitlines() if not line.startswith("include ")]
+                        + list(gin_params))
     c = api.build_run_configs()
     train = dataclasses.replace(c.train, synthetic_data=True)  # nothing is read while converting
     session = api.start(dataclasses.replace(c, train=train), api.RunOptions(mesh_spec=mesh_spec,
