@@ -229,10 +229,11 @@ def test_model_garden_tf2_and_google_tf1_bert_checkpoints_import_with_model_gard
     inputs = {"input_word_ids": batch["input_ids"], "input_mask": batch["input_mask"],
               "input_type_ids": batch["segment_ids"], "masked_lm_positions": batch["masked_lm_positions"]}
     outputs = pretrainer(inputs)
-    for name in ("tf2", "tf1"):
+    for name in ("tf2", "tf1", "encoder"):
         os.makedirs(tmp_path / name)
         json.dump(cfg, open(tmp_path / name / "bert_config.json", "w"))
     tf.train.Checkpoint(**pretrainer.checkpoint_items).write(str(tmp_path / "tf2" / "ckpt"))
+    tf.train.Checkpoint(encoder=encoder).write(str(tmp_path / "encoder" / "ckpt"))  # the converter's default
 
     # Google's names: Dense kernels [in, out] whole, the NSP classifier [2, hidden].
     weights = {w.name.split(":")[0]: w.numpy() for w in pretrainer.weights}
@@ -273,6 +274,9 @@ def test_model_garden_tf2_and_google_tf1_bert_checkpoints_import_with_model_gard
         mlm, nsp = model({k: tf.constant(v) for k, v in batch.items()}, training=False, with_next_sentence=True)
         assert np.max(np.abs(mlm.numpy() - expected)) <= 1e-4
         assert c.model.next_sentence == (name == "tf1")
+    fresh = model_garden.import_model_garden(str(tmp_path / "encoder" / "ckpt"), str(tmp_path / "encoder_run"))["fresh"]
+    assert "bert/masked_lm/output_bias/bias" in fresh and "bert/next_sentence/kernel" in fresh
+    assert all(n.startswith(("bert/masked_lm/", "bert/next_sentence/")) for n in fresh)  # the encoder was read
     pooled = outputs["pooled_output"].numpy()
     nsp_expected = pooled @ google["cls/seq_relationship/output_weights"].T + google["cls/seq_relationship/output_bias"]
     assert np.max(np.abs(nsp.numpy() - nsp_expected)) <= 1e-4

@@ -68,8 +68,9 @@ def match(folder: hublib.HubFolder, family, params: list[Param]) -> dict[str, st
 
 def gin_text(family, model_config, hub_config: dict, extra: list[str]) -> str:
     """config.gin of an imported model: the run defaults, the model, fine-tuning defaults."""
-    lines = [f"# Imported from a Hugging Face {hub_config.get('model_type')} checkpoint "
-             "(python -m tfpod.convert import); train on with python main.py --model_dir=<this folder>.",
+    origin = f"a Hugging Face {hub_config['model_type']}" if "model_type" in hub_config else "a Model Garden BERT"
+    lines = [f"# Imported from {origin} checkpoint (python -m tfpod.convert import); train on with "
+             "python main.py --model_dir=<this folder>.",
              f"include '{BASE_GIN}'", f"experiment.model = '{family.TASK}'"]
     for field in dataclasses.fields(model_config):
         lines.append(f"{family.TASK}.{field.name} = {getattr(model_config, field.name)!r}")
