@@ -57,7 +57,7 @@ from official.nlp.modeling import networks as mg_networks
 from tfpod import UserError, compat, evaluation, fused
 from tfpod.input import bert_data
 from tfpod.models import gpt, lm_serving
-from tfpod.partitioning import AxisRule, rows_split, shard
+from tfpod.partitioning import AxisRule, shard
 from tfpod.task import StagedModel, Task
 
 ACTIVATIONS = ("gelu", "gelu_approximate", "relu")
@@ -245,12 +245,14 @@ class BertPretrainer(tf_keras.Model):
 
     def outputs_and_pooled(self, inputs, training=None):
         """(masked-LM logits [batch, predictions, vocab] float32, pooled [CLS] output [batch, hidden])."""
-        sequence = self.sequence_output(inputs, training)  # [batch, length, hidden]
+        return self._mlm_and_pooled(self.sequence_output(inputs, training), inputs)
+
+    def _mlm_and_pooled(self, sequence, inputs) -> tuple:
+        """(masked-LM logits, pooled [CLS] output [batch, hidden]) of the annotated last block output."""
         mlm_logits = self.masked_lm(sequence, inputs["masked_lm_positions"], self.encoder.get_embedding_table())
         # The encoder's pooler applied to the annotated sequence (the encoder's own pooled
         # output, computed from the unannotated one, is left unused).
-        pooled = self.encoder.pooler_layer(sequence[:, 0, :])  # [batch, hidden]
-        return mlm_logits, pooled
+        return mlm_logits, self.encoder.pooler_layer(sequence[:, 0, :])
 
     def sequence_logits(self, inputs, training=None) -> tf.Tensor:
         """The masked-LM head at every position: float32 logits [batch, length, vocab] of
@@ -259,9 +261,7 @@ class BertPretrainer(tf_keras.Model):
 
     def sequence_output(self, inputs, training=None) -> tf.Tensor:
         """The encoder's last block output [batch, length, hidden], annotated for the heads."""
-        embedding = self.encoder.get_embedding_layer()
-        # A gather when the vocab rows are whole on every device, else a one-hot matmul (as gpt).
-        compat.set_one_hot(embedding, not embedding.built or rows_split(embedding.embeddings))
+        gpt.choose_lookup(self.encoder.get_embedding_layer())
         outputs = self.encoder(
             {"input_word_ids": inputs["input_ids"], "input_mask": inputs["input_mask"],
              "input_type_ids": inputs["segment_ids"]},
@@ -269,13 +269,11 @@ class BertPretrainer(tf_keras.Model):
         )
         return shard(outputs["sequence_output"], ("batch", "length", "embed"))
 
-
     # -- the pieces a pipeline runs (staged) ------------------------------------------
 
     def embed_inputs(self, inputs, training) -> tf.Tensor:
         """The first block's input [batch, length, hidden], as the encoder makes it."""
-        embedding = self.encoder.get_embedding_layer()
-        compat.set_one_hot(embedding, not embedding.built or rows_split(embedding.embeddings))
+        gpt.choose_lookup(self.encoder.get_embedding_layer())
         x = compat.encoder_embeddings(self.encoder, inputs["input_ids"], inputs["segment_ids"], training)
         return shard(x, gpt.ACTIVATION_AXES)
 
@@ -290,11 +288,8 @@ class BertPretrainer(tf_keras.Model):
 
     def heads(self, x, inputs) -> tuple:
         """(masked-LM logits, next-sentence logits or None) of the last block's output."""
-        sequence = shard(x, ("batch", "length", "embed"))
-        mlm_logits = self.masked_lm(sequence, inputs["masked_lm_positions"], self.encoder.get_embedding_table())
-        if not self.config.next_sentence:
-            return mlm_logits, None
-        return mlm_logits, tf.cast(self.next_sentence(self.encoder.pooler_layer(sequence[:, 0, :])), tf.float32)
+        mlm_logits, pooled = self._mlm_and_pooled(shard(x, ("batch", "length", "embed")), inputs)
+        return mlm_logits, (tf.cast(self.next_sentence(pooled), tf.float32) if self.config.next_sentence else None)
 
 
 MODEL_FEATURES = ("input_ids", "input_mask", "segment_ids", "masked_lm_positions")

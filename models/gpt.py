@@ -166,9 +166,7 @@ class GPT(tf_keras.Model):
         table does not exist yet), else a gather, whose IndexedSlices gradient the train
         step densifies.
         """
-        layer = self.token_embedding
-        compat.set_one_hot(layer, not layer.built or rows_split(layer.embeddings))  # OnDeviceEmbedding's own switch
-        return layer(ids)
+        return choose_lookup(self.token_embedding)(ids)
 
     def output_logits(self, x: tf.Tensor) -> tf.Tensor:
         """Float32 logits [batch, length, vocab] of x [batch, length, embed], tied to the embedding."""
@@ -177,6 +175,14 @@ class GPT(tf_keras.Model):
         logits = tf.matmul(flat, table, transpose_b=True)  # [batch * length, vocab]
         logits = tf.reshape(logits, leading_dims(x, 2) + [self.config.vocab_size])
         return tf.cast(logits, tf.float32)
+
+
+def choose_lookup(layer):
+    """Model Garden's OnDeviceEmbedding `layer`, set to look up by a one-hot matmul when its
+    table's vocab rows are split over devices (and while the table does not exist yet),
+    else by a gather (its own switch); returns the layer."""
+    compat.set_one_hot(layer, not layer.built or rows_split(layer.embeddings))
+    return layer
 
 
 def leading_dims(x: tf.Tensor, n: int) -> list:

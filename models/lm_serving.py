@@ -87,7 +87,7 @@ def serving(model, config, data_config, whole_sequences: bool = False) -> tuple[
     module = tf.Module()
     module.model = model
     ids = ids_signature.get_concrete_function()
-    if getattr(data_config, "format", None) == "ids":  # pre-tokenized data: no vocabulary to tokenize with
+    if data_config.format == "ids":  # pre-tokenized data: no vocabulary to tokenize with
         return module, {"serving_default": ids, "ids": ids}
 
     from tfpod.input import prepare, text as text_lib

@@ -115,13 +115,7 @@ class CheckpointManager:
         Raises:
           UserError: the checkpoint is of another model (`what` names the setting that gave it).
         """
-        ckpt = tf.train.Checkpoint(model=self._model)
-        problem = mismatch(ckpt, path, weights_only=True)
-        if problem:
-            raise UserError(f"{what}={path} is not of this model: {problem}; pass a checkpoint of the same model config")
-        with self._mesh():
-            ckpt.restore(path).expect_partial().assert_existing_objects_matched()
-        stages.apply_restored()
+        read_weights(self._model, path, f"{what}={path}", "pass a checkpoint of the same model config", self._mesh)
 
     def restore_latest(self) -> int | None:
         """Restores the newest complete, readable checkpoint if there is one; returns its step or None.
@@ -234,6 +228,28 @@ class NonfiniteState(UserError):
             f"of them; {newest_checkpoint(newest)}: lower optimizer.learning_rate, raise optimizer.warmup_steps "
             "or set optimizer.clip_norm"
         )
+
+
+def read_weights(model, path: str, where: str, fix: str, scope=contextlib.nullcontext) -> None:
+    """Reads only `model`'s weights from checkpoint `path` (its optimizer state is left),
+    within `scope` (e.g. the default mesh a DTensor restore names its files on).
+
+    Raises:
+      UserError: "`where` is not of this model" (the variables that differ) or does not fit
+        it, then `fix`.
+    """
+    ckpt = tf.train.Checkpoint(model=model)
+    problem = mismatch(ckpt, path, weights_only=True)
+    if problem:
+        raise UserError(f"{where} is not of this model: {problem}; {fix}")
+    try:
+        with scope():
+            status = ckpt.restore(path)
+            status.assert_existing_objects_matched()
+    except (AssertionError, ValueError) as e:
+        raise UserError(f"{where} does not fit this model ({first_line(e)}): {fix}") from None
+    status.expect_partial()  # the optimizer's state is not read
+    stages.apply_restored()  # pipeline stages' variables, read through the first stage
 
 
 def resolve(path: str, what: str) -> str:

@@ -34,7 +34,7 @@ import tempfile
 import tensorflow as tf
 
 from tfpod import UserError
-from tfpod.checkpoint import complete_steps, mismatch
+from tfpod.checkpoint import complete_steps, read_weights
 
 log = logging.getLogger("tfpod")
 
@@ -58,18 +58,7 @@ def single_device_model(task, model_config, path: str):
     model = task.build(model_config)
     example = {k: tf.zeros([1] + list(s.shape[1:]), s.dtype) for k, s in task.input_signature(model_config).items()}
     model(task.model_inputs(example), training=False)  # creates the variables
-    ckpt = tf.train.Checkpoint(model=model)
-    problem = mismatch(ckpt, path, weights_only=True)
-    if problem:
-        raise UserError(f"checkpoint {path} is not of this model: {problem}; export with the gin config it was "
-                        "trained with")
-    status = ckpt.restore(path)
-    try:
-        status.assert_existing_objects_matched()
-    except (AssertionError, ValueError) as e:
-        raise UserError(f"checkpoint {path} does not fit this model ({str(e).splitlines()[0]}): "
-                        "export with the gin config it was trained with") from None
-    status.expect_partial()  # the optimizer's state is not exported
+    read_weights(model, path, f"checkpoint {path}", "export with the gin config it was trained with")
     return model
 
 

@@ -32,6 +32,7 @@ class HubFolder:
 
     def __init__(self, path: str):
         self.path = path
+        self._files_open = {}  # file name -> its open safetensors handle (the header read once)
         config_path = os.path.join(path, "config.json")
         if not os.path.isfile(config_path):
             raise UserError(f"--hf={path}: no config.json there; pass a Hugging Face model folder (config.json and "
@@ -42,7 +43,7 @@ class HubFolder:
             with open(os.path.join(path, INDEX)) as f:
                 self.files = dict(json.load(f)["weight_map"])
         elif os.path.isfile(os.path.join(path, SINGLE)):
-            self.files = {name: SINGLE for name in _names(os.path.join(path, SINGLE))}
+            self.files = {name: SINGLE for name in self._open(SINGLE).keys()}
         else:
             bins = [f for f in os.listdir(path) if f.endswith(".bin")]
             hint = (f" (it has PyTorch {', '.join(sorted(bins)[:2])}: convert them to safetensors, e.g. with "
@@ -58,21 +59,20 @@ class HubFolder:
 
     def read(self, name: str) -> np.ndarray:
         """One tensor, as a numpy array (float32 for any floating dtype)."""
-        from safetensors import safe_open
-
-        with safe_open(os.path.join(self.path, self.files[name]), framework="np") as f:
-            value = f.get_tensor(name)
+        value = self._open(self.files[name]).get_tensor(name)
         return value.astype(np.float32) if np.issubdtype(value.dtype, np.floating) else value
 
+    def _open(self, file: str):
+        """The file's safetensors handle (it maps the file: a read copies one tensor out)."""
+        if file not in self._files_open:
+            from safetensors import safe_open
 
-def _names(path: str) -> list[str]:
-    from safetensors import safe_open
-
-    try:
-        with safe_open(path, framework="np") as f:
-            return list(f.keys())
-    except Exception as e:  # safetensors raises its own SafetensorError
-        raise UserError(f"{path} is not a readable safetensors file ({str(e).splitlines()[0]})") from None
+            path = os.path.join(self.path, file)
+            try:
+                self._files_open[file] = safe_open(path, framework="np")
+            except Exception as e:  # safetensors raises its own SafetensorError
+                raise UserError(f"{path} is not a readable safetensors file ({str(e).splitlines()[0]})") from None
+        return self._files_open[file]
 
 
 def write_folder(path: str, config: dict, tensors: Iterable[tuple[str, np.ndarray]],

@@ -78,8 +78,8 @@ def import_model_garden(path: str, model_dir: str, bert_config: str | None = Non
         else:
             converted = _converted_tf1(path, hub_config, scratch)
             reader = tf.train.load_checkpoint(converted)
-            names = {n: None for n in reader.get_variable_to_shape_map() if not n.startswith(("global_step", "_"))}
-            arrays = ((tfpod_name(n), reader.get_tensor(n), n) for n in sorted(names))
+            names = sorted(n for n in reader.get_variable_to_shape_map() if not n.startswith(("global_step", "_")))
+            arrays = ((tfpod_name(n), reader.get_tensor(n), n) for n in names)
         arch = architecture(tfpod_name(n) for n in names)
         # Model Garden's (and Google BERT's) "gelu" is the tanh form, Hugging Face's gelu_new.
         act = {"gelu": "gelu_new"}.get(hub_config.get("hidden_act", "gelu"), hub_config.get("hidden_act"))

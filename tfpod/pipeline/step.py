@@ -175,9 +175,8 @@ class Pipeline:
         {(stage, microbatch): that forward's own loss term or None})."""
         staged, p, m = self.staged, self.num_stages, self.microbatches
         last = p - 1
-        take = lambda s, i: stage_batches[s][i]
         with self.placement.stage_activations(last):
-            counts = [staged.loss_weight(take(last, i)) for i in range(m)]  # [microbatch][term]
+            counts = [staged.loss_weight(stage_batches[last][i]) for i in range(m)]  # [microbatch][term]
             denominators = [tf.maximum(tf.add_n(list(term)), 1.0) for term in zip(*counts)]
         tapes, inputs, outputs, objectives, input_grads = {}, {}, {}, {}, {}
         grads = [None] * len(self.variables)
@@ -186,7 +185,7 @@ class Pipeline:
             with self.placement.stage_activations(s), microbatch(i):
                 if kind == "F":
                     x_in = None if s == 0 else after(self.receive(outputs[(s - 1, i)], s - 1, s), previous[s])
-                    batch = take(s, i)
+                    batch = stage_batches[s][i]
                     tape = tf.GradientTape()
                     with tape, gathered_weights():  # the `2d` preset's weights gathered where the blocks use them
                         if x_in is not None:
