@@ -47,6 +47,7 @@ tfpod.input.bert_data for the pipelines that produce it):
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import numpy as np
 import tensorflow as tf
@@ -58,6 +59,7 @@ from tfpod import UserError, compat, evaluation, fused
 from tfpod.input import bert_data
 from tfpod.models import gpt, lm_serving
 from tfpod.partitioning import AxisRule, shard
+from tfpod.models import plan_profiles
 from tfpod.task import StagedModel, Task
 
 ACTIVATIONS = ("gelu", "gelu_approximate", "relu")
@@ -538,6 +540,7 @@ class BertTask(Task):
     make_input = staticmethod(bert_data.bert_input)
     loss_and_metrics = staticmethod(loss_and_metrics)
     serving = staticmethod(serving)
+    plan_profile = staticmethod(functools.partial(plan_profiles.bert, flops=flops_per_token))
     staged = staticmethod(staged)
 
     def tokens_per_example(self, config: BertConfig) -> int:

@@ -20,6 +20,7 @@ Batch contract (see tfpod.input.text for the pipeline that produces it):
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import numpy as np
 import tensorflow as tf
@@ -28,7 +29,7 @@ from official.nlp.modeling import layers as mg_layers
 
 from tfpod import UserError, compat, evaluation, fused
 from tfpod.input import lm_data
-from tfpod.models import lm_serving
+from tfpod.models import lm_serving, plan_profiles
 from tfpod.partitioning import AxisRule, rows_split, shard
 from tfpod.task import StagedModel, Task
 
@@ -531,6 +532,7 @@ class GPTTask(Task):
     loss_and_metrics = staticmethod(loss_and_metrics)
     serving = staticmethod(lm_serving.serving)
     staged = staticmethod(staged)
+    plan_profile = staticmethod(functools.partial(plan_profiles.gpt, flops=flops_per_token))
 
     def tokens_per_example(self, config: GPTConfig) -> int:
         return config.seq_len

@@ -42,7 +42,7 @@ import tensorflow as tf
 import tf_keras
 
 from tfpod import UserError, fused, partitioning
-from tfpod.models import gpt, lm_serving
+from tfpod.models import gpt, lm_serving, plan_profiles
 from tfpod.partitioning import AxisRule, shard, stages
 
 NAME = "moe"
@@ -415,6 +415,7 @@ class MoETask(gpt.GPTTask):
     serving = staticmethod(functools.partial(lm_serving.serving, whole_sequences=True))
     flops_per_token = staticmethod(flops_per_token)
     loss_and_metrics = staticmethod(loss_and_metrics)
+    plan_profile = staticmethod(functools.partial(plan_profiles.moe, flops=flops_per_token))
 
 
 TASK = MoETask()

@@ -37,6 +37,7 @@ from official.vision.modeling.backbones import resnet as mg_resnet
 from tfpod import UserError, evaluation, fused
 from tfpod.input import images as images_lib
 from tfpod.partitioning import AxisRule, shard, spatial
+from tfpod.models import plan_profiles
 from tfpod.task import Task
 
 
@@ -285,6 +286,7 @@ class ResNetTask(Task):
     make_input = staticmethod(images_lib.image_input)
     loss_and_metrics = staticmethod(loss_and_metrics)
     serving = staticmethod(serving)
+    plan_profile = staticmethod(plan_profiles.conv)
 
 
 TASK = ResNetTask()

@@ -66,6 +66,7 @@ from tfpod.input import boxes as boxes_lib
 from tfpod.input import detection, images as images_lib
 from tfpod.models import ssd_eval
 from tfpod.partitioning import AxisRule, shard, spatial
+from tfpod.models import plan_profiles
 from tfpod.task import EvalContext, Task
 
 BACKBONE_FILTERS = (64, 128, 256)  # conv2_x, conv3_x, conv4_x (ResNet-34)
@@ -538,6 +539,7 @@ class SSDTask(Task):
     loss_and_metrics = staticmethod(loss_and_metrics)
     host_eval_metrics = staticmethod(coco_metrics)
     serving = staticmethod(serving)
+    plan_profile = staticmethod(plan_profiles.conv)
 
 
 TASK = SSDTask()

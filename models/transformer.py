@@ -47,6 +47,7 @@ plain cross entropy, the smoothed loss and token accuracy on device (EVAL_METRIC
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import math
 import weakref
@@ -60,6 +61,7 @@ from official.nlp.modeling import models as mg_models
 from tfpod import UserError, compat, evaluation
 from tfpod.input import translation as translation_data
 from tfpod.partitioning import AxisRule, shard
+from tfpod.models import plan_profiles
 from tfpod.task import EvalContext, Task
 
 log = logging.getLogger("tfpod")
@@ -580,6 +582,7 @@ class TransformerTask(Task):
     loss_and_metrics = staticmethod(loss_and_metrics)
     host_eval_metrics = staticmethod(decode_metrics)
     serving = staticmethod(serving)
+    plan_profile = staticmethod(functools.partial(plan_profiles.transformer, flops=flops_per_token))
 
     def tokens_per_example(self, config: TransformerConfig) -> int:
         return config.seq_len  # source plus target

@@ -48,6 +48,9 @@ class RunOptions:
       device_type: TPU, GPU or CPU (None: auto-detect).
       checkpoint: eval and export: the checkpoint to use (None: the newest complete one).
       model_name: export: TF Serving's name for the model (None: the task's).
+      plan_device: plan: the device to plan for (tfpod.plan.devices; None: cpu, measured).
+      plan_num_devices: plan: the job's devices (None: one host's).
+      plan_devices_per_host: plan: devices per host (None: the device's usual).
     """
 
     mesh_spec: str | None = None
@@ -55,6 +58,9 @@ class RunOptions:
     device_type: str | None = None
     checkpoint: str | None = None
     model_name: str | None = None
+    plan_device: str | None = None
+    plan_num_devices: int | None = None
+    plan_devices_per_host: int | None = None
 
 
 def build_run_configs() -> RunConfigs:
@@ -90,14 +96,23 @@ class Session:
     task_input: object | None  # input.common.TaskInput
 
 
-def start(c: RunConfigs, options: RunOptions) -> Session:
+def start(c: RunConfigs, options: RunOptions, model_dir: str = "") -> Session:
     """Starts the runtime, makes the mesh and placement (a mesh axis nothing uses is an error),
-    and this host's input (the default demo data is prepared here on first use)."""
+    and this host's input (the default demo data is prepared here on first use).
+
+    `--mesh=auto` (or sharding.preset='auto') asks the planner for the layout: it is
+    applied to `c` in place (tfpod.plan.choose_for_run) and kept in model_dir/plan.json.
+    """
     from tfpod import mesh as meshlib, partitioning, runtime
     from tfpod.input.common import ShardInfo
 
     info = runtime.initialize(cpu_devices=options.cpu_devices, device_type=options.device_type)
-    meshes = meshlib.make_stage_meshes(options.mesh_spec or c.experiment.mesh)
+    spec = options.mesh_spec or c.experiment.mesh
+    if spec == "auto" or c.sharding.preset == "auto":
+        from tfpod import plan
+
+        spec = plan.choose_for_run(c, spec, info, model_dir)
+    meshes = meshlib.make_stage_meshes(spec)
     placement = partitioning.Placement.from_config(c.sharding, c.task.default_preset, meshes)
     _check_image_rows(c.task, placement)
     task_input = None
@@ -161,7 +176,7 @@ def train(c: RunConfigs, model_dir: str, options: RunOptions, evaluating: bool =
     record of an earlier run in model_dir as it was.
     """
     check_writable(model_dir)
-    session = start(c, options)
+    session = start(c, options, model_dir)
     run = controller(c.task, c.model, c.train, c.optimizer, session.placement, model_dir, c.data,
                      c.sharding.pipeline_schedule)
     run.restore()  # a checkpoint that does not fit stops the run here
@@ -183,7 +198,7 @@ def train_and_eval(c: RunConfigs, model_dir: str, options: RunOptions) -> dict:
 
 def evaluate(c: RunConfigs, model_dir: str, options: RunOptions) -> dict:
     """--mode=eval: the newest (or a given) checkpoint, on any mesh, over the whole eval split."""
-    session = start(c, options)
+    session = start(c, options, model_dir)
     _check_eval_data(c, session, "eval")
     if not os.path.isdir(os.path.join(model_dir, "checkpoints")):
         raise UserError(f"--mode=eval: no checkpoints in {model_dir}: train there first, or pass --model_dir of a "
@@ -203,8 +218,18 @@ def export(c: RunConfigs, model_dir: str, options: RunOptions) -> dict:
     return export_lib.export(c.task, c.model, c.data, model_dir, options.checkpoint, options.model_name)
 
 
+def plan(c: RunConfigs, model_dir: str, options: RunOptions) -> dict:
+    """--mode=plan: per-device memory, fit and step time on --plan_num_devices x --plan_device,
+    before anything is allocated (no device is created); model_dir/plan.json (tfpod.plan)."""
+    from tfpod import plan as planner
+
+    check_writable(model_dir)
+    return planner.plan_mode(c, model_dir, options.mesh_spec or c.experiment.mesh, options.plan_device,
+                             options.plan_num_devices, options.plan_devices_per_host)
+
+
 MODES: dict[str, Callable[[RunConfigs, str, RunOptions], dict]] = {
-    "train": train, "eval": evaluate, "train_and_eval": train_and_eval, "export": export,
+    "train": train, "eval": evaluate, "train_and_eval": train_and_eval, "export": export, "plan": plan,
 }
 
 

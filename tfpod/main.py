@@ -29,6 +29,11 @@ flags.DEFINE_string("device_type", None, "TPU, GPU or CPU (default: auto-detect,
 flags.DEFINE_string("checkpoint", None,
                     "--mode=eval/export: checkpoint to evaluate or export, e.g. D/checkpoints/ckpt-40 (default: newest)")
 flags.DEFINE_string("model_name", None, "--mode=export: the name TF Serving serves the model under (default: the model)")
+flags.DEFINE_string("plan_device", None, "--mode=plan: the device to plan for: h100, h200, a100-40g, a100-80g, "
+                    "tpu-v4, tpu-v5p, or cpu (this machine, measured; the default)")
+flags.DEFINE_integer("plan_num_devices", None, "--mode=plan: devices of the planned job (default: one host's)")
+flags.DEFINE_integer("plan_devices_per_host", None, "--mode=plan: devices per host (default: the device's usual: "
+                     "8 GPUs, 4 TPU chips, --cpu_devices or 8 logical CPU devices)")
 flags.DEFINE_integer("num_hosts", None, "hosts in a multi-host job (default: $DTENSOR_NUM_CLIENTS, else 1)")
 flags.DEFINE_integer("host_id", None, "this host's index (default: $DTENSOR_CLIENT_ID)")
 flags.DEFINE_string("host_addresses", None, "host:port of every host, comma-separated, in host order ($DTENSOR_JOBS)")
@@ -48,7 +53,8 @@ def main(argv) -> None:
         with console.quiet(enabled=not verbose and tfpod.USER_TF_LOG_LEVEL is None):
             api.run(FLAGS.gin_file, FLAGS.gin_param, FLAGS.model_dir, FLAGS.mode, mesh_spec=FLAGS.mesh,
                     cpu_devices=FLAGS.cpu_devices, device_type=FLAGS.device_type, checkpoint=FLAGS.checkpoint,
-                    model_name=FLAGS.model_name)
+                    model_name=FLAGS.model_name, plan_device=FLAGS.plan_device,
+                    plan_num_devices=FLAGS.plan_num_devices, plan_devices_per_host=FLAGS.plan_devices_per_host)
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         if verbose:

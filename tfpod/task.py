@@ -68,6 +68,14 @@ class Task(abc.ABC):
         """Tokens per example, for tokens/s and MFU (None: the task counts examples)."""
         return None
 
+    def plan_profile(self, config, outputs) -> "Profile | None":
+        """What a training step keeps and moves per example, in logical axes
+        (tfpod.plan.profile), for --mode=plan. `outputs`: (layer, output shape) of every
+        leaf layer the model's lazy build called (`profile.recording_outputs`).
+        None: the task cannot be planned (the default)."""
+        del config, outputs
+        return None
+
     # -- batches --------------------------------------------------------------
 
     @abc.abstractmethod

@@ -53,7 +53,7 @@ The modules, each usable on its own (this package re-exports their public names)
 from tfpod.partitioning.activations import activation_sharding, active_context, replicate, shard, split
 from tfpod.partitioning import spatial, stages
 from tfpod.partitioning.build import (build_sharded, compute_layout, gather_when_used, gathered_weights, rows_split,
-                                      update_layout, variable_specs)
+                                      lazy_model, update_layout, variable_specs)
 from tfpod.partitioning.dropout import random_layout, replayable_dropout
 from tfpod.partitioning.placement import Placement, batch_mesh_axis, host_rows, local_shards, place
 from tfpod.partitioning.report import bytes_per_device, layout_report
@@ -73,6 +73,7 @@ __all__ = [
     "rows_split",
     "update_layout",
     "variable_specs",
+    "lazy_model",
     "random_layout",
     "replayable_dropout",
     "Placement",

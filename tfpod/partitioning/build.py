@@ -57,13 +57,21 @@ def _lazy_build(model_fn, input_signature):
     by_id = {}
     for path, v in pairs:
         by_id.setdefault(id(v), (path, v))
-    specs = [VarSpec(_var_name(v), tuple(v.shape.as_list()), _unwrap(v).dtype) for _, v in by_id.values()]
+    specs = [VarSpec(_var_name(v), tuple(v.shape.as_list()), _unwrap(v).dtype, bool(v.trainable))
+             for _, v in by_id.values()]
     return model, pairs, by_id, specs
 
 
 def variable_specs(model_fn, input_signature) -> list[VarSpec]:
     """The model's variables (name, global shape, dtype) without allocating any."""
     return _lazy_build(model_fn, input_signature)[3]
+
+
+def lazy_model(model_fn, input_signature):
+    """(model, specs): the model built with lazily initialized variables (nothing
+    allocated: a 175B-parameter model builds on a laptop) and its VarSpecs."""
+    model, _, _, specs = _lazy_build(model_fn, input_signature)
+    return model, specs
 
 
 def build_sharded(

@@ -63,11 +63,12 @@ class AxisRule:
 
 @dataclasses.dataclass(frozen=True)
 class VarSpec:
-    """A variable before allocation: its name (no ':0'), global shape and dtype."""
+    """A variable before allocation: its name (no ':0'), global shape, dtype, and whether it trains."""
 
     name: str
     shape: tuple
     dtype: tf.DType = tf.float32
+    trainable: bool = True
 
 
 def rules_table(preset: str, overrides: Mapping[str, str | None] | None = None) -> dict[str, str | None]:

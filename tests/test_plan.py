@@ -1,0 +1,172 @@
+"""The planner (tfpod.plan): exact state bytes, the plan's fields, --mode=plan, --mesh=auto."""
+
+import json
+import math
+import os
+
+import pytest
+
+from conftest import main_py, make_run
+
+from tfpod import UserError, api, config, controller, optimizers, partitioning, plan
+from tfpod.models import TASKS
+from tfpod.plan import devices, memory, timing
+from tfpod.plan.planner import Choice, Planner
+
+
+def configs(task_name, model_config, global_batch=16, optimizer="adamw", precision="float32", preset=None,
+            microbatches=1, **sharding):
+    task = TASKS[task_name]
+    return api.RunConfigs(task=task, experiment=config.ExperimentConfig(model=task_name), model=model_config,
+                          data=None, train=controller.TrainConfig(steps=10, global_batch_size=global_batch,
+                                                                  precision=precision, microbatches=microbatches),
+                          optimizer=optimizers.OptimizerConfig(name=optimizer, weight_decay=0.0 if optimizer == "sgd" else 0.01),
+                          sharding=partitioning.ShardingConfig(preset=preset, **sharding))
+
+
+def lm_tiny():
+    return TASKS["gpt"].config_class(vocab_size=2048, seq_len=64, num_layers=2, embed_dim=128, num_heads=8,
+                                     mlp_dim=512)
+
+
+def moe_tiny():
+    return TASKS["moe"].config_class(vocab_size=2048, seq_len=64, num_layers=2, embed_dim=64, num_heads=4,
+                                     mlp_dim=256, num_experts=4, expert_mlp_dim=128, group_size=32)
+
+
+def device_bytes(specs, layouts, stage_meshes=()):
+    """Per device, the largest stage's: what layouts.txt's totals say."""
+    per = {}
+    for s in specs:
+        stage = partitioning.stages.stage_index(layouts[s.name], stage_meshes) if stage_meshes else 0
+        per[stage] = per.get(stage, 0) + partitioning.bytes_per_device(s.shape, s.dtype, layouts[s.name])
+    return max(per.values())
+
+
+@pytest.mark.parametrize("task_name,model,mesh,preset,optimizer,extra", [
+    ("gpt", lm_tiny, "data:4,model:2", "tensor", "adamw", {}),
+    ("gpt", lm_tiny, "data:4,model:2", "2d", "lamb", {}),
+    ("gpt", lm_tiny, "data:8", "weight_update", "adamw", {}),
+    ("gpt", lm_tiny, "stage:2,data:2,model:2", "tensor", "adamw", {"microbatches": 2}),
+    ("moe", moe_tiny, "data:2,expert:4", "tensor", "sgd", {}),
+])
+def test_weights_and_optimizer_bytes_equal_the_layout_report(tmp_path, task_name, model, mesh, preset, optimizer,
+                                                              extra):
+    c = configs(task_name, model(), optimizer=optimizer, preset=preset, **extra)
+    run = make_run(c.task, c.model, c.train, c.optimizer, mesh, tmp_path, preset=preset)
+    t = run.trainer
+    stages = t.placement.stages
+    p = Planner(c, devices.get("h100"), 8).plan(Choice(mesh))
+    b = p["per_device_bytes"]
+    assert b["weights"] == device_bytes(t.specs, t.layouts, stages)
+    assert b["optimizer"] == device_bytes(t.state_specs, t.state_layouts, stages)
+    trainable = [s for s in t.specs if s.trainable]
+    assert b["gradients"] == device_bytes(trainable, t.layouts, stages)
+    assert p["parameters"] == sum(v.shape.num_elements() for v in t.model.trainable_variables)
+
+
+def test_plan_fields_and_what_moves_the_activations():
+    c = configs("gpt", TASKS["gpt"].config_class(vocab_size=50304, seq_len=1024, num_layers=12, embed_dim=768,
+                                                 num_heads=12, mlp_dim=3072), global_batch=64,
+                precision="mixed_bfloat16")
+    planner = Planner(c, devices.get("a100-40g"), 16)
+    data = planner.plan(Choice("data:16", "data"))
+    for key in ("mesh", "preset", "per_device_bytes", "device_memory", "fits", "step_time_s", "tokens_per_sec", "mfu",
+                "breakdown"):
+        assert key in data
+    assert set(data["per_device_bytes"]) == {"weights", "gradients", "optimizer", "activations", "temporary", "total"}
+    assert data["per_device_bytes"]["total"] == sum(v for k, v in data["per_device_bytes"].items() if k != "total")
+    assert data["tokens_per_sec"] == pytest.approx(64 * 1024 / data["step_time_s"])
+    assert 0 < data["mfu"] < 1 and data["num_hosts"] == 2
+    tensor = planner.plan(Choice("data:4,model:4", "tensor"))
+    sp = planner.plan(Choice("data:4,model:4", "tensor", sequence_parallel=True))
+    remat = planner.plan(Choice("data:4,model:4", "tensor", remat=True))
+    acts = lambda p: p["per_device_bytes"]["activations"]
+    # 16 examples per device instead of 4, but the heads and mlp activations split 4 ways
+    assert acts(data) < acts(tensor) < 3 * acts(data)
+    assert acts(sp) < acts(tensor) and acts(remat) < acts(sp)
+    assert remat["breakdown"]["time"]["matmul_s"] > tensor["breakdown"]["time"]["matmul_s"]  # one more forward
+    assert "all_reduce over 'model' (activations)" in tensor["breakdown"]["time"]["collectives"]
+    # 2d and weight_update divide the state; the bytes follow the layouts.
+    two_d = planner.plan(Choice("data:4,model:4", "2d"))
+    wu = planner.plan(Choice("data:16", "weight_update"))
+    assert two_d["per_device_bytes"]["weights"] < tensor["per_device_bytes"]["weights"]
+    assert wu["per_device_bytes"]["optimizer"] < data["per_device_bytes"]["optimizer"] / 4
+    # Pipelines: 1F1B keeps fewer microbatches alive than GPipe; the bubble shrinks with microbatches.
+    gpipe = planner.plan(Choice("stage:2,data:8", "data", microbatches=8))
+    c.sharding = partitioning.ShardingConfig(pipeline_schedule="1f1b")
+    one = Planner(c, devices.get("a100-40g"), 16).plan(Choice("stage:2,data:8", "data", microbatches=8))
+    assert acts(one) < acts(gpipe)
+    assert gpipe["breakdown"]["time"]["bubble_fraction"] == pytest.approx(1 / 9)
+
+
+def test_planning_errors_are_the_trainers():
+    c = configs("gpt", lm_tiny())
+    planner = Planner(c, devices.get("h100"), 8)
+    with pytest.raises(UserError, match="mesh axis 'modle'"):
+        planner.plan(Choice("data:4,modle:2", "tensor"))
+    with pytest.raises(UserError, match="does not divide over mesh axis 'model'"):
+        Planner(c, devices.get("h100"), 32).plan(Choice("data:2,model:16", "tensor"))
+    with pytest.raises(UserError, match="not a known device"):
+        devices.get("h800")
+
+
+def test_collectives_and_links():
+    h100 = devices.get("h100")
+    bw = timing.axis_bandwidths([("data", 4), ("model", 8)], h100)
+    e = h100.collective_efficiency
+    assert bw == {"model": h100.intra_host_bandwidth * e, "data": h100.inter_host_bandwidth * e}
+    # a stage takes devices_per_host / stages of each host: model:8 then crosses hosts
+    assert timing.axis_bandwidths([("data", 4), ("model", 8)], h100, num_stages=2)["model"] == \
+        h100.inter_host_bandwidth * e
+    assert timing.collective_seconds("all_reduce", 8e9, 8, 1e9) == pytest.approx(2 * 7 / 8 * 8)
+    assert timing.collective_seconds("all_to_all", 8e9, 1, 1e9) == 0
+    assert memory.in_flight(4, 16, "gpipe") == 16 and memory.in_flight(4, 16, "1f1b") == 4
+
+
+def test_a_175b_model_plans_without_allocating():
+    """GPT-3 175B's lazy build holds no weights: this process stays far below 175B x 2 bytes."""
+    import resource
+
+    gpt3 = TASKS["gpt"].config_class(vocab_size=51200, seq_len=2048, num_layers=96, embed_dim=12288, num_heads=96,
+                                     mlp_dim=49152, remat=True)
+    c = configs("gpt", gpt3, global_batch=1536, precision="mixed_bfloat16")
+    p = Planner(c, devices.get("a100-80g"), 1024).plan(Choice("data:128,model:8", "2d", sequence_parallel=True))
+    assert p["parameters"] == pytest.approx(174.6e9, rel=1e-3)
+    state = p["per_device_bytes"]
+    assert state["weights"] == pytest.approx(p["parameters"] * 4 / 1024, rel=0.01)  # fp32 over all 1024
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 < 16 * 2**30
+
+
+def test_plan_mode_writes_plan_json_and_refuses_a_trained_choice(tmp_path):
+    out = main_py("--gin_file=gin/gpt_small.gin", "--mode=plan", "--plan_device=h100", "--plan_num_devices=64",
+                  "--mesh=data:16,model:4", f"--model_dir={tmp_path}", "--gin_param=train.global_batch_size=512")
+    assert out.returncode == 0, out.stderr
+    p = json.loads((tmp_path / "plan.json").read_text())
+    assert p["mesh"] == "data:16,model:4" and p["num_devices"] == 64 and p["device"] == "h100"
+    assert p["fits"] is True and p["preset"] == "tensor"
+    assert "plan: gpt" in out.stderr + out.stdout and "tokens/s" in out.stderr + out.stdout
+    record = dict(p, trained_with={"mesh": "data:8"})
+    (tmp_path / "plan.json").write_text(json.dumps(record))
+    out = main_py("--gin_file=gin/gpt_small.gin", "--mode=plan", "--plan_device=h100", "--plan_num_devices=64",
+                  "--mesh=auto", f"--model_dir={tmp_path}")
+    assert out.returncode == 1 and "holds the layout the run" in out.stderr
+    assert json.loads((tmp_path / "plan.json").read_text()) == record
+
+
+def test_mesh_auto_picks_a_layout_that_trains_lm_tiny_on_8_devices(tmp_path, caplog):
+    caplog.set_level("INFO", logger="tfpod")
+    params = ["train.steps=2", "train.steps_per_loop=1", "train.log_every=1", "train.synthetic_data=True",
+              "train.checkpoint_every=2"]
+    result = api.run(["gin/lm_tiny.gin"], params, str(tmp_path), mode="train", mesh_spec="auto")
+    assert result["step"] == 2 and all(math.isfinite(x) for x in result["losses"])
+    chosen = json.loads((tmp_path / "plan.json").read_text())
+    assert chosen["fits"] and chosen["trained_with"]["mesh"] == chosen["mesh"]
+    assert f"on mesh {chosen['mesh']}" in (tmp_path / "layouts.txt").read_text()
+    text = caplog.text
+    assert "--mesh=auto chose" in text and text.count("  rank") == 1 and "\n     5  " in text
+    caplog.clear()
+    result = api.run(["gin/lm_tiny.gin"], params[1:] + ["train.steps=3"], str(tmp_path), mode="train",
+                     mesh_spec="auto")
+    assert result["step"] == 3 and "the layout this run chose at its start" in caplog.text
+    assert os.path.isfile(tmp_path / "plan.json")

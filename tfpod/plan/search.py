@@ -1,0 +1,122 @@
+"""--mesh=auto: enumerate the ways to lay a run out, keep those that fit, pick the fastest.
+
+The candidates are every mesh of the job's devices over the axes the task's presets
+use (`data`, `model`; `expert` for a mixture of experts; `stage` for a task that
+pipelines), times the presets, sequence parallelism (with a `model` axis),
+recomputation (for a model that has it) and, with stages, microbatches. A candidate
+training would refuse (a mesh axis no rule uses, a dimension an axis does not divide)
+is dropped. Of those whose plan fits the device memory with the margin, the fastest
+predicted step wins; ties go to the simpler layout (fewer switches, then the earlier
+preset).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Iterator
+
+from tfpod import UserError
+from tfpod.partitioning import PRESETS
+from tfpod.plan.planner import Choice, Planner
+from tfpod.task import Task
+
+log = logging.getLogger("tfpod")
+
+SEARCH_PRESETS = ("data", "tensor", "2d", "weight_update")
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _meshes(num_devices: int, names: tuple) -> Iterator[str]:
+    """Every spec over `names` (in this order) whose sizes multiply to num_devices;
+    axes of size 1 are left out (but `data` always appears)."""
+    def split(n, k):
+        if k == 1:
+            yield (n,)
+            return
+        for d in _divisors(n):
+            for rest in split(n // d, k - 1):
+                yield (d,) + rest
+
+    seen = set()
+    for sizes in split(num_devices, len(names)):
+        axes = [(a, s) for a, s in zip(names, sizes) if s > 1 or a == "data"]
+        spec = ",".join(f"{a}:{s}" for a, s in axes)
+        if spec not in seen:
+            seen.add(spec)
+            yield spec
+
+
+def candidates(planner: Planner) -> Iterator[Choice]:
+    """Every choice to plan for this experiment on the planner's devices."""
+    task, model = planner.c.task, planner.c.model
+    logical = {a for rule in task.axis_rules for a in rule.axes if a}
+    names = ["data"]
+    if logical & {"heads", "mlp", "vocab"}:
+        names.append("model")
+    if "expert" in logical:
+        names.append("expert")
+    if type(task).staged is not Task.staged:  # the task pipelines
+        names.insert(0, "stage")
+    has_remat = hasattr(model, "remat")
+    for spec in _meshes(planner.num_devices, tuple(names)):
+        sizes = dict(p.split(":") for p in spec.split(","))
+        stages = int(sizes.get("stage", 1))
+        for preset in SEARCH_PRESETS:
+            if preset not in PRESETS or (preset != "data" and "model" not in sizes and "expert" not in sizes
+                                         and preset != "weight_update"):
+                continue
+            for sp in ((False, True) if "model" in sizes and preset != "data" else (False,)):
+                for remat in ((False, True) if has_remat else (None,)):
+                    if stages > 1:
+                        for m in (stages, 2 * stages, 4 * stages):  # plan() drops those the batch refuses
+                            yield Choice(spec, preset, sp, remat, m)
+                    else:
+                        yield Choice(spec, preset, sp, remat, None)
+
+
+def search(planner: Planner, top: int = 5) -> tuple[dict | None, list[dict]]:
+    """(the fastest plan that fits or None, the `top` plans by predicted step time:
+    fitting plans first)."""
+    plans = []
+    for i, choice in enumerate(candidates(planner)):
+        try:
+            plan = planner.plan(choice)
+        except UserError:
+            continue
+        plan["choice"] = choice.describe()
+        plan["_rank"] = (not plan["fits"], plan["step_time_s"], bool(plan["sequence_parallel"]) + bool(plan["remat"]),
+                         i)
+        plans.append(plan)
+    if not plans:
+        raise UserError(f"--mesh=auto: no layout of model {planner.c.task.name!r} can run on {planner.num_devices} "
+                        f"devices (every mesh was refused by the sharding rules): pick --mesh by hand to see why")
+    plans.sort(key=lambda p: p["_rank"])
+    for p in plans:
+        del p["_rank"]
+    best = plans[0] if plans[0]["fits"] else None
+    return best, plans[:top]
+
+
+def top_table(plans: list[dict]) -> str:
+    """The top plans, one line each: step time, tokens/s, memory per device, fit."""
+    lines = ["  rank  step time  tokens/s      MFU    memory/device  fits  layout"]
+    for i, p in enumerate(plans, 1):
+        lines.append(f"  {i:>4}  {p['step_time_s']:>8.4g}s  {p['tokens_per_sec']:>10,.0f}  {p['mfu']:>6.1%}  "
+                     f"{p['per_device_bytes']['total'] / 2**30:>10.2f} GiB  {'yes' if p['fits'] else 'no ':>4}  "
+                     f"{p['choice']}")
+    return "\n".join(lines)
+
+
+def describe_best(best: dict | None, plans: list[dict], num_devices: int) -> str:
+    """The one line --mesh=auto logs about its choice."""
+    if best is None:
+        smallest = min(plans, key=lambda p: p["per_device_bytes"]["total"])
+        return (f"--mesh=auto: no layout fits {num_devices} x {smallest['device']}: the smallest needs "
+                f"{smallest['per_device_bytes']['total'] / 2**30:.2f} GiB per device of "
+                f"{smallest['device_memory'] / 2**30:.2f} GiB ({smallest['choice']}); use more devices, a smaller "
+                f"batch, or train.precision='mixed_bfloat16'")
+    return (f"--mesh=auto chose {best['choice']}: predicted {best['step_time_s']:.4g} s/step, "
+            f"{best['tokens_per_sec']:,.0f} tokens/s, {best['per_device_bytes']['total'] / 2**30:.2f} GiB per device")
