@@ -34,6 +34,11 @@ def moe_tiny():
                                      mlp_dim=256, num_experts=4, expert_mlp_dim=128, group_size=32)
 
 
+def bert_tiny():  # without next-sentence prediction: the pooler is built but does not train
+    return TASKS["bert"].config_class(vocab_size=512, seq_len=32, max_predictions=4, num_layers=2, hidden_size=64,
+                                      num_heads=4, intermediate_size=128)
+
+
 def device_bytes(specs, layouts, stage_meshes=()):
     """Per device, the largest stage's: what layouts.txt's totals say."""
     per = {}
@@ -49,6 +54,7 @@ def device_bytes(specs, layouts, stage_meshes=()):
     ("gpt", lm_tiny, "data:8", "weight_update", "adamw", {}),
     ("gpt", lm_tiny, "stage:2,data:2,model:2", "tensor", "adamw", {"microbatches": 2}),
     ("moe", moe_tiny, "data:2,expert:4", "tensor", "sgd", {}),
+    ("bert", bert_tiny, "data:4,model:2", "tensor", "lamb", {}),
 ])
 def test_weights_and_optimizer_bytes_equal_the_layout_report(tmp_path, task_name, model, mesh, preset, optimizer,
                                                               extra):
@@ -170,3 +176,17 @@ def test_mesh_auto_picks_a_layout_that_trains_lm_tiny_on_8_devices(tmp_path, cap
                      mesh_spec="auto")
     assert result["step"] == 3 and "the layout this run chose at its start" in caplog.text
     assert os.path.isfile(tmp_path / "plan.json")
+
+
+def test_auto_ranks_by_predicted_time_and_a_given_mesh_stays():
+    from tfpod.plan.search import search
+
+    planner = Planner(configs("gpt", lm_tiny()), devices.get("h100"), 8)
+    best, top = search(planner)
+    assert best is top[0] and len(top) == 5
+    assert [p["step_time_s"] for p in top] == sorted(p["step_time_s"] for p in top)
+    best, top = search(planner, mesh="data:4,model:2")  # sharding.preset='auto' with a mesh: the rest is chosen
+    assert {p["mesh"] for p in top} == {"data:4,model:2"} and best["fits"]
+    tiny = devices.DeviceSpec("tiny", 1e5, 1e12, 1e12, 1e11, 1e10, 1e10, 8)  # 100 kB: nothing fits
+    best, top = search(Planner(configs("gpt", lm_tiny()), tiny, 8))
+    assert best is None and not any(p["fits"] for p in top)

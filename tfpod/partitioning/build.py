@@ -37,7 +37,7 @@ def _lazy_variables(model):
 _unwrap = compat.inner_variable
 
 
-def _var_name(v) -> str:
+def var_name(v) -> str:
     return v.name[:-2] if v.name.endswith(":0") else v.name
 
 
@@ -57,7 +57,9 @@ def _lazy_build(model_fn, input_signature):
     by_id = {}
     for path, v in pairs:
         by_id.setdefault(id(v), (path, v))
-    specs = [VarSpec(_var_name(v), tuple(v.shape.as_list()), _unwrap(v).dtype, bool(v.trainable))
+    # A layer set trainable=False leaves its variables' own flag alone: ask the model.
+    trains = {id(_unwrap(v)) for v in model.trainable_weights}
+    specs = [VarSpec(var_name(v), tuple(v.shape.as_list()), _unwrap(v).dtype, id(_unwrap(v)) in trains)
              for _, v in by_id.values()]
     return model, pairs, by_id, specs
 
@@ -112,10 +114,10 @@ def build_sharded(
         owner = stage_of(model)
         for _, v in by_id.values():
             if id(_unwrap(v)) not in owner:
-                raise ValueError(f"variable {_var_name(v)} belongs to no pipeline stage (StagedModel's layers)")
-            layouts[_var_name(v)] = dtensor.Layout(list(layouts[_var_name(v)].sharding_specs),
+                raise ValueError(f"variable {var_name(v)} belongs to no pipeline stage (StagedModel's layers)")
+            layouts[var_name(v)] = dtensor.Layout(list(layouts[var_name(v)].sharding_specs),
                                                    stage_meshes[owner[id(_unwrap(v))]])
-    path_layouts = {path: layouts[_var_name(v)] for path, v in pairs}
+    path_layouts = {path: layouts[var_name(v)] for path, v in pairs}
 
     class _Exact(compat.layout_map_lib().LayoutMap):
         def __getitem__(self, key):
@@ -199,5 +201,5 @@ def gather_when_used(variables, axis: str | None) -> list[str]:
             return dtensor.relayout(value, _target) if getattr(_GATHERING, "on", False) else value
 
         compat.wrap_variable_reads(inner, gathered)
-        names.append(_var_name(inner))
+        names.append(var_name(inner))
     return names

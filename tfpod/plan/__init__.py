@@ -63,7 +63,7 @@ def plan_mode(configs, model_dir: str, mesh_spec: str, device_name: str | None, 
     num_devices = num_devices or device.devices_per_host
     planner = Planner(configs, device, num_devices)
     if mesh_spec == "auto" or configs.sharding.preset == "auto":
-        best, top = search(planner)
+        best, top = search(planner, mesh=None if mesh_spec == "auto" else mesh_spec)
         log.info("--mesh=auto: the %d fastest layouts:\n%s", len(top), top_table(top))
         log.info("%s", describe_best(best, top, num_devices))
         plan = dict(best or top[0], top=[{k: p[k] for k in ("choice", "step_time_s", "tokens_per_sec", "mfu", "fits",
@@ -108,7 +108,7 @@ def choose_for_run(configs, mesh_spec: str, info, model_dir: str) -> str:
                  os.path.join(model_dir, PLAN_FILE))
         plan = None
     else:
-        best, top = search(planner)
+        best, top = search(planner, mesh=None if mesh_spec == "auto" else mesh_spec)
         log.info("--mesh=auto: the %d fastest layouts on this job's %d devices:\n%s", len(top),
                  info.num_global_devices, top_table(top))
         log.info("%s", describe_best(best, top, info.num_global_devices))

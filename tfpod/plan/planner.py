@@ -17,12 +17,15 @@ them for --mesh=auto).
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 from typing import Mapping
 
 from tfpod import UserError
 from tfpod.plan import memory, profile, timing
 from tfpod.plan.devices import DeviceSpec
+
+log = logging.getLogger("tfpod")
 
 MEMORY_MARGIN = 0.10  # a plan fits when its total leaves this fraction of the device's memory free
 
@@ -81,6 +84,7 @@ class Planner:
                             f"{self.devices_per_host} devices (--plan_devices_per_host)")
         self.num_hosts = num_devices // self.devices_per_host
         task, model_config = configs.task, configs.model
+        log.info("plan: building %s with lazily initialized variables (nothing is allocated) ...", task.name)
         with precision_policy(configs.train.precision), profile.recording_outputs() as outputs:
             self.model, self.specs = partitioning.lazy_model(lambda: task.build(model_config),
                                                              task.input_signature(model_config))
@@ -128,9 +132,9 @@ class Planner:
             no rule uses, a dimension a mesh axis does not divide, a batch the data axis
             does not divide, microbatches that do not divide the batch shards).
         """
-        from tfpod import pipeline
+        from tfpod import compat, pipeline
         from tfpod.partitioning import Placement, resolve
-        from tfpod.partitioning.build import _var_name
+        from tfpod.partitioning.build import var_name
 
         c, task, device = self.c, self.c.task, self.device
         model_config, train, sharding = self.configs_for(choice)
@@ -142,9 +146,7 @@ class Planner:
         stage_of = {}
         if num_stages > 1 or train.microbatches > 1:
             owner = pipeline.variable_stages(pipeline.staged_model(task, self.model), num_stages)
-            from tfpod import compat
-
-            stage_of = {_var_name(compat.inner_variable(v)): owner.get(id(compat.inner_variable(v)), 0)
+            stage_of = {var_name(compat.inner_variable(v)): owner.get(id(compat.inner_variable(v)), 0)
                         for v in self.model.variables}
         batch_axis = placement.batch_axis(tuple(next(iter(task.batch_axes().values()))))
         shards = mesh.dim_size(batch_axis) if batch_axis else 1

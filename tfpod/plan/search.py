@@ -49,8 +49,9 @@ def _meshes(num_devices: int, names: tuple) -> Iterator[str]:
             yield spec
 
 
-def candidates(planner: Planner) -> Iterator[Choice]:
-    """Every choice to plan for this experiment on the planner's devices."""
+def candidates(planner: Planner, mesh: str | None = None) -> Iterator[Choice]:
+    """Every choice to plan for this experiment on the planner's devices (on `mesh`
+    only when given: sharding.preset='auto' with a mesh chooses the rest)."""
     task, model = planner.c.task, planner.c.model
     logical = {a for rule in task.axis_rules for a in rule.axes if a}
     names = ["data"]
@@ -61,8 +62,8 @@ def candidates(planner: Planner) -> Iterator[Choice]:
     if type(task).staged is not Task.staged:  # the task pipelines
         names.insert(0, "stage")
     has_remat = hasattr(model, "remat")
-    for spec in _meshes(planner.num_devices, tuple(names)):
-        sizes = dict(p.split(":") for p in spec.split(","))
+    for spec in [mesh] if mesh else _meshes(planner.num_devices, tuple(names)):
+        sizes = dict(p.split(":") for p in spec.replace(" ", "").split(","))
         stages = int(sizes.get("stage", 1))
         for preset in SEARCH_PRESETS:
             if preset not in PRESETS or (preset != "data" and "model" not in sizes and "expert" not in sizes
@@ -77,11 +78,14 @@ def candidates(planner: Planner) -> Iterator[Choice]:
                         yield Choice(spec, preset, sp, remat, None)
 
 
-def search(planner: Planner, top: int = 5) -> tuple[dict | None, list[dict]]:
+def search(planner: Planner, top: int = 5, mesh: str | None = None) -> tuple[dict | None, list[dict]]:
     """(the fastest plan that fits or None, the `top` plans by predicted step time:
-    fitting plans first)."""
+    fitting plans first); on `mesh` only when given."""
     plans = []
-    for i, choice in enumerate(candidates(planner)):
+    choices = list(candidates(planner, mesh))
+    log.info("--mesh=auto: planning %d layouts of %s on %d devices ...", len(choices), planner.c.task.name,
+             planner.num_devices)
+    for i, choice in enumerate(choices):
         try:
             plan = planner.plan(choice)
         except UserError:
@@ -91,8 +95,10 @@ def search(planner: Planner, top: int = 5) -> tuple[dict | None, list[dict]]:
                          i)
         plans.append(plan)
     if not plans:
-        raise UserError(f"--mesh=auto: no layout of model {planner.c.task.name!r} can run on {planner.num_devices} "
-                        f"devices (every mesh was refused by the sharding rules): pick --mesh by hand to see why")
+        where = f"mesh {mesh}" if mesh else f"{planner.num_devices} devices"
+        raise UserError(f"--mesh=auto / sharding.preset='auto': no layout of model {planner.c.task.name!r} can run on "
+                        f"{where} (every choice was refused by the sharding rules): pick --mesh and "
+                        "sharding.preset by hand to see why")
     plans.sort(key=lambda p: p["_rank"])
     for p in plans:
         del p["_rank"]
