@@ -29,7 +29,8 @@ setup(
     # tensorflow-serving-api: the tests build TF Serving PredictRequests (pinned to TF's minor version).
     # transformers 4.44 (the last with TF classes reading PyTorch-named safetensors, with safetensors 0.4):
     # the tests check imports and exports against its own TFGPT2LMHeadModel and TFBertForPreTraining.
+    # kubernetes-validate: the Kubernetes manifests are validated against the Kubernetes API schema offline.
     extras_require={"test": ["pytest>=8", "pytest-xdist>=3", "tensorflow-serving-api==2.20.*", "transformers==4.44.*",
-                             "safetensors==0.4.*"]},
+                             "safetensors==0.4.*", "kubernetes-validate>=1.30"]},
     entry_points={"console_scripts": ["tfpod=tfpod.main:console_main", "tfpod-launch=tfpod.launch:console_main"]},
 )

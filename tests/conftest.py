@@ -26,9 +26,20 @@ import tfpod  # noqa: E402,F401  (selects tf_keras before TensorFlow loads)
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "unit: no subprocess and no multi-device training (pytest -m unit)")
+    config.addinivalue_line("markers", "slurm: needs a real SLURM (bash .ci/slurm); left out unless -m selects it")
     from tfpod import runtime
 
     runtime.initialize(cpu_devices=int(os.environ["TFPOD_CPU_DEVICES"]), device_type="CPU")
+
+
+def pytest_collection_modifyitems(config, items):
+    """`slurm` tests run only when -m names them (bash .ci/slurm installs SLURM first)."""
+    if "slurm" in (config.option.markexpr or ""):
+        return
+    kept = [item for item in items if "slurm" not in item.keywords]
+    if len(kept) != len(items):
+        config.hook.pytest_deselected(items=[item for item in items if "slurm" in item.keywords])
+        items[:] = kept
 
 
 def main_command(*args) -> list[str]:

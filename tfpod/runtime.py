@@ -56,7 +56,8 @@ def detect_device_type() -> str:
 
 
 def configure_hosts(num_hosts: int | None, host_id: int | None, host_addresses: str | None) -> None:
-    """Sets the standard DTensor multi-client environment from flags (flags win over env).
+    """Sets the standard DTensor multi-client environment from flags (flags win over env),
+    else from a cluster manager's environment (tfpod.cluster: SLURM, Kubernetes).
 
     Args:
       num_hosts: DTENSOR_NUM_CLIENTS.
@@ -64,6 +65,11 @@ def configure_hosts(num_hosts: int | None, host_id: int | None, host_addresses: 
       host_addresses: DTENSOR_JOBS, comma-separated host:port of every host, in host order.
     """
     if num_hosts is None and host_id is None and host_addresses is None:
+        from tfpod import cluster
+
+        layout = cluster.from_environment()  # SLURM or Kubernetes, when no DTENSOR_* is set
+        if layout is not None:
+            cluster.apply(layout)
         return
     if num_hosts is None or host_id is None or host_addresses is None:
         raise UserError("multi-host flags go together: give --num_hosts, --host_id and --host_addresses (or none)")
