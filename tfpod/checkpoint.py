@@ -30,6 +30,7 @@ import contextlib
 import json
 import logging
 import os
+import time
 
 import numpy as np
 import tensorflow as tf
@@ -62,14 +63,19 @@ def complete_steps(directory: str) -> list[int]:
 class CheckpointManager:
     """Saves and restores {name: trackable} under model_dir/checkpoints."""
 
-    def __init__(self, model_dir: str, step: tf.Variable, keep: int = 3, **trackables):
+    def __init__(self, model_dir: str, step: tf.Variable, keep: int = 3, async_save: bool = False, **trackables):
         if keep < 1:
             raise UserError(f"train.keep_checkpoints={keep} must be at least 1")
         self.directory = os.path.join(model_dir, "checkpoints")
         self._step = step
         self._ckpt = tf.train.Checkpoint(**trackables)
         self._model = trackables.get("model")
-        self._manager = tf.train.CheckpointManager(self._ckpt, self.directory, max_to_keep=keep, step_counter=step)
+        # Asynchronous saves: one more is kept, so a write in progress (which the manager
+        # already counts) never leaves fewer than `keep` complete checkpoints on disk.
+        self._async, self._writing = async_save, None
+        self._options = tf.train.CheckpointOptions(experimental_enable_async_checkpoint=True) if async_save else None
+        self._manager = tf.train.CheckpointManager(self._ckpt, self.directory, max_to_keep=keep + int(async_save),
+                                                   step_counter=step)
         # A save or restore names its files on DTensor's default mesh: make that the step's
         # (pipeline stages' variables are saved through the first stage, stages.save_through).
         layout = getattr(compat.inner_variable(step), "layout", None)
@@ -99,6 +105,7 @@ class CheckpointManager:
           UserError: the checkpoint is of another model (names the variables that differ).
           tf.errors.DataLossError: its files are corrupt (checksum or format).
         """
+        self.wait()
         problem = mismatch(self._ckpt, path)
         if problem:
             raise UserError(f"checkpoint {path} is not of this model: {problem}; {fix}")
@@ -186,22 +193,47 @@ class CheckpointManager:
     def save(self, checked: bool = False) -> str:
         """Writes a checkpoint of the current step, never of non-finite state (NonfiniteState).
 
+        With `async_save` the state is copied off the devices and written by a background
+        thread while training goes on; the next save (and `wait`) first waits for it.
+
         Args:
           checked: the caller ran `check_finite` since the last update.
         """
         if not checked:
             self.check_finite()
+        self.wait()
         step = int(self._step.numpy())
+        started = time.time()
         try:
             with self._mesh():
-                path = self._manager.save(checkpoint_number=step)
+                path = self._manager.save(checkpoint_number=step, options=self._options)
         except (tf.errors.OpError, OSError) as e:  # a full disk, a quota, a lost mount
-            self._remove_partial(step)
-            raise UserError(f"checkpoint of step {step} could not be written to {self.directory} "
-                            f"({first_line(runtime.error_cause(e))}): free space there (or fix the error) and rerun to resume; "
-                            f"{newest_checkpoint(self.latest)}") from None
-        log.info("saved checkpoint %s", path)
+            self._failed(step, e)
+        if self._async:
+            self._writing = (step, path, started)
+            log.info("writing checkpoint %s in the background (copied off the devices in %.2f s)", path,
+                     time.time() - started)
+        else:
+            log.info("saved checkpoint %s", path)
         return path
+
+    def wait(self) -> None:
+        """Waits for a checkpoint being written in the background (async_save), if any."""
+        if self._writing is None:
+            return
+        step, path, started = self._writing
+        self._writing = None
+        try:
+            self._ckpt.sync()
+        except (tf.errors.OpError, OSError) as e:
+            self._failed(step, e)
+        log.info("saved checkpoint %s (written in the background, %.1f s after the step)", path, time.time() - started)
+
+    def _failed(self, step: int, e: BaseException):
+        self._remove_partial(step)
+        raise UserError(f"checkpoint of step {step} could not be written to {self.directory} "
+                        f"({first_line(runtime.error_cause(e))}): free space there (or fix the error) and rerun to resume; "
+                        f"{newest_checkpoint(self.latest)}") from None
 
     def _remove_partial(self, step: int) -> None:
         """Removes what a failed save of `step` left (host 0; complete_steps ignores it anyway)."""

@@ -68,6 +68,10 @@ class TrainConfig:
         its newest) whose model weights a run without checkpoints of its own starts from;
         its optimizer state and step are not read (fine-tuning). A run that has
         checkpoints resumes from them instead.
+      async_checkpoint: copy the state off the devices at a save and write it in a
+        background thread while training goes on; the next save, SIGTERM and the end of
+        training wait for it, and one more checkpoint is kept so a write in progress never
+        leaves fewer than keep_checkpoints complete ones.
     """
 
     steps: int = 100
@@ -88,6 +92,7 @@ class TrainConfig:
     strict_resume: bool = False
     microbatches: int = 1
     init_from: str | None = None
+    async_checkpoint: bool = False
 
     def reached(self, result: Mapping[str, float]) -> bool:
         """Whether an eval result reaches the target (never without one)."""
@@ -139,6 +144,7 @@ class Controller:
                  os.path.join(model_dir, "layouts.txt"), summary)
         os.makedirs(model_dir, exist_ok=True)
         self.checkpoints = checkpoint.CheckpointManager(model_dir, trainer.step, keep=config.keep_checkpoints,
+                                                        async_save=config.async_checkpoint,
                                                         model=trainer.model, optimizer=trainer.optimizer)
         tokens_per_step = config.global_batch_size * (tokens or 1)
         per_device = config.peak_flops or flops.peak_flops_per_device(
@@ -262,6 +268,7 @@ class Controller:
                     del losses_so_far[max(0, rolled_back_to - start_step):]
                     step = rolled_back_to
                     self.writer.reset_window()
+        self.checkpoints.wait()  # a checkpoint written in the background (train.async_checkpoint) is complete
         if preempted:
             log.warning("preempted: saved %s at step %d; rerun the same command to resume", self.checkpoints.latest,
                         step)
