@@ -62,3 +62,14 @@ def test_kill9_while_a_checkpoint_is_written_resumes_from_the_one_before(tmp_pat
     before, after = train[:written - newest], train[written - newest:]
     assert [s for s, _ in before] == [s for s, _ in after] == list(range(newest + 1, written + 1))
     np.testing.assert_allclose([l for _, l in after], [l for _, l in before], rtol=1e-6)
+
+
+def test_several_hosts_refuse_asynchronous_checkpoints_in_one_line(tmp_path):
+    from conftest import launch_command
+
+    cmd = launch_command(2, 4, "--gin_file=gin/lm_tiny.gin", "--mesh=data:8", f"--model_dir={tmp_path}",
+                         *[f"--gin_param={p}" for p in SYNTHETIC + ["train.steps=2", "train.async_checkpoint=True"]])
+    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert out.returncode != 0
+    assert "error: train.async_checkpoint=True with 2 hosts" in out.stderr + out.stdout
+    assert not os.path.exists(tmp_path / "checkpoints" / "checkpoint")  # nothing was written

@@ -143,6 +143,11 @@ class Controller:
         log.info("layouts (every variable: %s, written when training starts):\n%s",
                  os.path.join(model_dir, "layouts.txt"), summary)
         os.makedirs(model_dir, exist_ok=True)
+        if config.async_checkpoint and self.info.num_clients > 1:
+            raise UserError(f"train.async_checkpoint=True with {self.info.num_clients} hosts: TensorFlow's asynchronous "
+                            "checkpoint merges every host's files from each host's own background thread, and the "
+                            "hosts race (MergeV2Checkpoints: '<ckpt>_temp/part-00000-of-00001 not found'); use it on one "
+                            "host, or synchronous checkpoints (the default) on several")
         self.checkpoints = checkpoint.CheckpointManager(model_dir, trainer.step, keep=config.keep_checkpoints,
                                                         async_save=config.async_checkpoint,
                                                         model=trainer.model, optimizer=trainer.optimizer)
