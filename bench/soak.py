@@ -16,8 +16,10 @@ Checks, against the reference: each step's loss (metrics.jsonl; a step replayed 
 kill counts with its last value), each eval's metrics, and every value in the final
 checkpoint (weights and optimizer slots). The last line is one JSON object:
 {"kills", "sigterms", "launches", "steps", "max_loss_rel_dev", "max_eval_rel_dev",
-"max_weight_abs_dev", "exact" (every deviation within 1e-6), "seconds", ...}; the script
-exits 1 when a launch fails for another reason or the run is not exact.
+"max_weight_abs_dev", "exact" (every deviation within 1e-6), "seconds", "goodput" (the run's
+own account over all its launches, tfpod.goodput: goodput and badput by cause),
+"reference_goodput", ...}; the script exits 1 when a launch fails for another reason or
+the run is not exact.
 """
 
 from __future__ import annotations
@@ -71,6 +73,11 @@ def records(model_dir: str, kind: str) -> dict[int, dict]:
             if r.get("kind") == kind:
                 out[r["step"]] = r
     return out
+
+
+def records_of(model_dir: str) -> list[dict]:
+    path = os.path.join(model_dir, "metrics.jsonl")
+    return [json.loads(line) for line in open(path)] if os.path.exists(path) else []
 
 
 def host_pids(model_dir: str) -> list[int]:
@@ -188,6 +195,11 @@ def main() -> int:
               "evals": len(want_eval), "max_loss_rel_dev": loss_dev, "max_eval_rel_dev": eval_dev,
               "max_weight_abs_dev": weight_dev, "missing_steps": missing, "exact": exact,
               "seconds": round(seconds, 1), "failure": failure}
+    good = [r for r in records_of(run_dir) if r.get("kind") == "goodput"]
+    if good:  # the run's own account over all its launches (tfpod.goodput), against the uninterrupted one's
+        result["goodput"] = {k: good[-1][k] for k in ("goodput", "badput", "launches", "wall_s")}
+        ref = [r for r in records_of(ref_dir) if r.get("kind") == "goodput"]
+        result["reference_goodput"] = ref[-1]["goodput"] if ref else None
     print(json.dumps(result))
     return 0 if exact else 1
 

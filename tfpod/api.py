@@ -247,6 +247,9 @@ def run(gin_files: list[str], gin_params: list[str], model_dir: str, mode: str =
     Returns:
       The mode's result (train: {"step", "loss", "losses", "preempted"}; eval: the metrics).
     """
+    from tfpod import goodput
+
+    goodput.mark_launch()  # main.py marked the process start already
     if not model_dir:
         raise UserError("--model_dir is required: the folder for checkpoints, config.gin and metrics")
     if mode not in MODES:

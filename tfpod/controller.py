@@ -23,7 +23,7 @@ from typing import Mapping
 
 import numpy as np
 
-from tfpod import UserError, checkpoint, feeding, flops, mesh as meshlib, nonfinite, runtime
+from tfpod import UserError, checkpoint, feeding, flops, goodput, mesh as meshlib, nonfinite, runtime
 from tfpod.metrics_writer import MetricsWriter, Throughput
 from tfpod.trainer import Trainer
 
@@ -240,6 +240,8 @@ class Controller:
         start_step, t_start = step, time.time()
         losses_so_far, last_loss = [], None
         guard = nonfinite.NonfiniteGuard(c.on_nonfinite, c.max_nonfinite, self.checkpoints)
+        self.goodput = goodput.Goodput(self.model_dir, self.is_chief)
+        self.goodput.begin(step)
         self._rate, self._traces_seen, self._calls, self._pending_save = None, self.trainer.traces, 0, False
         self.writer.reset_window()
         preempted = False
@@ -253,6 +255,7 @@ class Controller:
             while step < c.steps:
                 n = self._next_boundary(step) - step
                 losses, norms = self._call(feeding.stack([next(batches) for _ in range(n)], c.steps_per_loop), n, step)
+                self.goodput.steps(n, self._last_call_s, step + n)
                 rolled_back_to = guard.check(step, losses, norms)
                 if self._calls == 1:  # training has started: only now is the run's record written over
                     self._write_run_record(run_files)
@@ -262,6 +265,7 @@ class Controller:
                     self.writer.add_steps(losses, norms)
                     if step % c.log_every == 0 or step == c.steps:
                         last_loss = self.writer.train(step, self.trainer.learning_rate(), self._rate)["loss"]
+                        self.goodput.record()  # a killed launch keeps what it reached
                     reached = self._evaluate_on_cadence(eval_batches, step, t_start)
                     preempted = preemption.requested()
                     last = step == c.steps or reached or preempted
@@ -274,6 +278,9 @@ class Controller:
                     step = rolled_back_to
                     self.writer.reset_window()
         self.checkpoints.wait()  # a checkpoint written in the background (train.async_checkpoint) is complete
+        summary = self.goodput.record()
+        self.writer.goodput(step, summary)
+        log.info("%s", goodput.Goodput.line(summary))
         if preempted:
             log.warning("preempted: saved %s at step %d; rerun the same command to resume", self.checkpoints.latest,
                         step)
@@ -290,7 +297,7 @@ class Controller:
         t = self.trainer
         t_call = time.time()
         losses, norms = t.train_loop(stacked, n)
-        dt = time.time() - t_call
+        dt = self._last_call_s = time.time() - t_call
         if self._calls:
             if t.traces > self._traces_seen:  # shapes, dtypes or Python values changed between calls
                 log.warning("the train loop was traced again at step %d (trace %d): each trace recompiles it; feed "
@@ -325,6 +332,7 @@ class Controller:
                             step)
             self._pending_save = True
             return None
+        started = time.time()
         try:
             self.checkpoints.check_finite()
         except checkpoint.NonfiniteState as e:
@@ -334,6 +342,8 @@ class Controller:
                                    f"({', '.join(e.variables[:3])})")
         feed.save(step)  # first, so the model checkpoint always has its input position
         self.checkpoints.save(checked=True)
+        self.goodput.add("checkpoint", time.time() - started)
+        self.writer.goodput(step, self.goodput.record())
         self._pending_save = False
         guard.saved()
         return None
@@ -347,6 +357,8 @@ class Controller:
         step = int(self.trainer.step.numpy()) if step is None else step
         started = time.time()
         result = self.trainer.evaluate(host_batches, self.host_rows)
+        if getattr(self, "goodput", None) is not None:
+            self.goodput.add("eval", time.time() - started)
         result["step"] = step
         if extra:
             result.update(extra)

@@ -14,7 +14,7 @@ import sys
 import tfpod  # noqa: F401  (selects tf_keras before TensorFlow loads)
 from absl import app, flags
 
-from tfpod import UserError, api, console, preemption
+from tfpod import UserError, api, console, goodput, preemption
 
 FLAGS = flags.FLAGS
 
@@ -44,6 +44,7 @@ def main(argv) -> None:
         print(f"error: unexpected arguments {argv[1:]}: pass settings as --flags or --gin_param", file=sys.stderr)
         sys.exit(2)
     preemption.catch_sigterm()  # first, before TensorFlow loads: a preemption notice at any point ends with status 0
+    goodput.mark_launch(goodput.process_start())  # start-up counts as this launch's badput
     verbose = FLAGS.verbosity >= 1
     console.setup(verbose)
     try:

@@ -119,6 +119,11 @@ class MetricsWriter:
             self._summaries("eval", step, {k: v for k, v in result.items() if isinstance(v, float)})
             self._writers["eval"].flush()
 
+    def goodput(self, step: int, summary: Mapping) -> None:
+        """A `kind: "goodput"` record (tfpod.goodput: goodput and badput over all launches so far)."""
+        if self.chief:
+            self._append({"kind": "goodput", "step": step, **summary, "time": time.time()})
+
     def flush(self) -> None:
         for writer in self._writers.values():
             writer.flush()

@@ -1,0 +1,40 @@
+"""Goodput over a run's launches (tfpod.goodput): model_dir/goodput.json and metrics.jsonl's records."""
+
+import json
+import os
+
+import pytest
+
+from test_multihost import SMALL
+
+from tfpod import api, goodput
+
+PARAMS = SMALL + ["train.synthetic_data=True", "train.steps_per_loop=1", "train.checkpoint_every=2"]
+
+
+def test_goodput_counts_every_launch_and_the_steps_a_restart_trains_again(tmp_path, caplog):
+    caplog.set_level("INFO", logger="tfpod")
+    d = str(tmp_path)
+    api.run(["gin/lm_tiny.gin"], PARAMS + ["train.steps=6"], d, mesh_spec="data:4,model:2")
+    first = json.load(open(os.path.join(d, "goodput.json")))["launches"]
+    assert len(first) == 1 and first[0]["first_step"] == 0 and first[0]["last_step"] == 6
+    assert first[0]["compile_s"] > 0 and first[0]["productive_s"] > 0 and first[0]["checkpoint_s"] > 0
+    assert "goodput " in caplog.text and "badput: startup" in caplog.text
+    # The newest checkpoint is lost (as when a host dies before it is written): the next
+    # launch resumes from step 4 and trains steps 5 and 6 again.
+    for f in os.listdir(os.path.join(d, "checkpoints")):
+        if f.startswith("ckpt-6"):
+            os.remove(os.path.join(d, "checkpoints", f))
+    api.run(["gin/lm_tiny.gin"], PARAMS + ["train.steps=8"], d, mesh_spec="data:4,model:2")
+    launches = json.load(open(os.path.join(d, "goodput.json")))["launches"]
+    assert [(l["first_step"], l["last_step"]) for l in launches] == [(0, 6), (4, 8)]
+    summary = goodput.summarize(launches)
+    lost = launches[0]["productive_s"] * 2 / 6  # steps 5 and 6 of the first launch
+    assert summary["badput"]["lost_to_restarts"] == pytest.approx(lost / summary["wall_s"])
+    assert 0 < summary["goodput"] < 1
+    assert summary["goodput"] + sum(summary["badput"].values()) == pytest.approx(1.0)
+    records = [json.loads(line) for line in open(os.path.join(d, "metrics.jsonl"))]
+    good = [r for r in records if r["kind"] == "goodput"]
+    assert good[-1]["launches"] == 2 and good[-1]["step"] == 8
+    assert good[-1]["goodput"] == pytest.approx(summary["goodput"], rel=0.05)
+    assert set(good[-1]["badput"]) == set(goodput.CAUSES)
