@@ -1,4 +1,5 @@
-"""train.async_checkpoint=True: checkpoints written in a background thread while training goes on."""
+"""train.async_checkpoint=True: checkpoints written in a background thread while training goes on
+(tests/test_goodput.py also trains with it and resumes from its checkpoints)."""
 
 import glob
 import json
@@ -12,23 +13,9 @@ import numpy as np
 from conftest import ROOT, main_command
 from test_multihost import SMALL
 
-from tfpod import api, checkpoint
+from tfpod import checkpoint
 
 SYNTHETIC = SMALL + ["train.synthetic_data=True", "train.steps_per_loop=1", "train.checkpoint_every=1"]
-
-
-def test_async_saves_resume_like_synchronous_ones(tmp_path, caplog):
-    caplog.set_level("INFO", logger="tfpod")
-    sync = api.run(["gin/lm_tiny.gin"], SYNTHETIC + ["train.steps=6"], str(tmp_path / "sync"),
-                   mesh_spec="data:4,model:2")
-    params = SYNTHETIC + ["train.async_checkpoint=True", "train.keep_checkpoints=2"]
-    api.run(["gin/lm_tiny.gin"], params + ["train.steps=4"], str(tmp_path / "async"), mesh_spec="data:4,model:2")
-    assert "writing checkpoint" in caplog.text and "written in the background" in caplog.text
-    # keep_checkpoints=2, plus the one a write in progress may hold; the last is complete at the end
-    assert checkpoint.complete_steps(str(tmp_path / "async" / "checkpoints")) == [2, 3, 4]
-    resumed = api.run(["gin/lm_tiny.gin"], params + ["train.steps=6"], str(tmp_path / "async"),
-                      mesh_spec="data:4,model:2")
-    np.testing.assert_allclose(resumed["losses"], sync["losses"][4:], rtol=1e-6)
 
 
 def test_kill9_while_a_checkpoint_is_written_resumes_from_the_one_before(tmp_path):
