@@ -71,6 +71,7 @@ def test_weights_and_optimizer_bytes_equal_the_layout_report(tmp_path, task_name
     assert p["parameters"] == sum(v.shape.num_elements() for v in t.model.trainable_variables)
 
 
+@pytest.mark.unit
 def test_plan_fields_and_what_moves_the_activations():
     c = configs("gpt", TASKS["gpt"].config_class(vocab_size=50304, seq_len=1024, num_layers=12, embed_dim=768,
                                                  num_heads=12, mlp_dim=3072), global_batch=64,
@@ -106,6 +107,7 @@ def test_plan_fields_and_what_moves_the_activations():
     assert gpipe["breakdown"]["time"]["bubble_fraction"] == pytest.approx(1 / 9)
 
 
+@pytest.mark.unit
 def test_planning_errors_are_the_trainers():
     c = configs("gpt", lm_tiny())
     planner = Planner(c, devices.get("h100"), 8)
@@ -117,6 +119,7 @@ def test_planning_errors_are_the_trainers():
         devices.get("h800")
 
 
+@pytest.mark.unit
 def test_collectives_and_links():
     h100 = devices.get("h100")
     bw = timing.axis_bandwidths([("data", 4), ("model", 8)], h100)
@@ -178,6 +181,7 @@ def test_mesh_auto_picks_a_layout_that_trains_lm_tiny_on_8_devices(tmp_path, cap
     assert os.path.isfile(tmp_path / "plan.json")
 
 
+@pytest.mark.unit
 def test_auto_ranks_by_predicted_time_and_a_given_mesh_stays():
     from tfpod.plan.search import search
 
