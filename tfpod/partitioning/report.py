@@ -22,7 +22,8 @@ def bytes_per_device(shape: Sequence[int], dtype: tf.DType, layout: dtensor.Layo
     return math.prod(local) * tf.as_dtype(dtype).size
 
 
-def _human(n: float) -> str:
+def human_bytes(n: float) -> str:
+    """1536 -> '1.50 KiB'."""
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if abs(n) < 1024 or unit == "TiB":
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
@@ -56,7 +57,7 @@ def layout_report(
         total_params += n
         total_bytes += n * s.dtype.size
         device_bytes += per_dev
-        row = (s.name, shape_text(s.shape), "[" + ", ".join(layout.sharding_specs) + "]", _human(per_dev))
+        row = (s.name, shape_text(s.shape), "[" + ", ".join(layout.sharding_specs) + "]", human_bytes(per_dev))
         rows.append(row + ((str(stage_of[s.name]),) if stages else ()))
     header = ("variable", "global shape", "layout", "bytes/device") + (("stage",) if stages else ())
     widths = [max(len(r[i]) for r in rows + [header]) for i in range(len(header))]
@@ -72,13 +73,13 @@ def layout_report(
     per_stage = [sum(bytes_per_device(s.shape, s.dtype, layouts[s.name]) for s in specs if stage_of[s.name] == i)
                  for i in range(len(stages))]
     lines.append(
-        f"# total: {len(specs)} variables, {total_params:,} parameters, {_human(total_bytes)}; "
-        f"per device: {_human(max(per_stage) if stages else device_bytes)}" + (" (the largest stage)" if stages else "")
+        f"# total: {len(specs)} variables, {total_params:,} parameters, {human_bytes(total_bytes)}; "
+        f"per device: {human_bytes(max(per_stage) if stages else device_bytes)}" + (" (the largest stage)" if stages else "")
     )
     for i in range(len(stages)):
         held = [s for s in specs if stage_of[s.name] == i]
         lines.append(f"# stage {i}: {len(held)} variables, {sum(math.prod(s.shape) for s in held):,} parameters; "
-                     f"per device: {_human(per_stage[i])}")
+                     f"per device: {human_bytes(per_stage[i])}")
     for axis in (mesh.dim_names if mesh else []):
         split = [s for s in specs if axis in layouts[s.name].sharding_specs]
         if split:

@@ -23,6 +23,7 @@ from typing import Mapping
 
 from tfpod import UserError
 from tfpod.plan import memory, profile, timing
+from tfpod.partitioning.report import human_bytes
 from tfpod.plan.devices import DeviceSpec
 
 log = logging.getLogger("tfpod")
@@ -52,14 +53,6 @@ class Choice:
         if self.microbatches and self.microbatches > 1:
             parts.append(f"microbatches={self.microbatches}")
         return " ".join(parts)
-
-
-def _human(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
-        n /= 1024
-    return str(n)
 
 
 class Planner:
@@ -209,9 +202,9 @@ def summary(plan: Mapping, top: list | None = None) -> str:
         f"({plan['num_hosts']} host(s) of {plan['devices_per_host']}); mesh {plan['mesh']}, preset {plan['preset']}"
         + (f", {', '.join(switches)}" if switches else "") + f"; {plan['precision']}; global batch "
         f"{plan['global_batch']}",
-        "memory per device: " + ", ".join(f"{k} {_human(b[k])}" for k in
+        "memory per device: " + ", ".join(f"{k} {human_bytes(b[k])}" for k in
                                           ("weights", "gradients", "optimizer", "activations", "temporary")),
-        f"  total {_human(b['total'])} of {_human(plan['device_memory'])}: "
+        f"  total {human_bytes(b['total'])} of {human_bytes(plan['device_memory'])}: "
         + ("fits" if plan["fits"] else f"DOES NOT FIT (with a {plan['memory_margin']:.0%} margin)"),
         f"step time {plan['step_time_s']:.4g} s: compute {t['compute_s']:.3g} s (matmuls {t['matmul_s']:.3g} s, "
         f"memory-bound {t['activation_passes_s']:.3g} s), optimizer {t['optimizer_s']:.3g} s, collectives "
