@@ -101,6 +101,7 @@ class Goodput:
         now = time.time()
         self.launch = {"start": min(_take_launch_start(), now), "last": now, "first_step": step, "last_step": step,
                        "startup_s": 0.0, "compile_s": 0.0, "productive_s": 0.0, "checkpoint_s": 0.0, "eval_s": 0.0}
+        self.record()  # a launch killed while it compiles still counts (a launch killed before this does not)
 
     def steps(self, n: int, seconds: float, step: int) -> None:
         """A call of the compiled loop trained `n` steps, up to `step`, in `seconds`."""
