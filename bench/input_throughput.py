@@ -69,7 +69,7 @@ def step_rate(gin_file: str, mesh: str, cpu_devices: int, params: list[str], ste
         proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
         if proc.returncode:
             raise SystemExit(f"step benchmark failed: {proc.stderr.strip().splitlines()[-1]}")
-        records = [json.loads(l) for l in open(os.path.join(d, "metrics.jsonl"))]
+        records = [r for r in map(json.loads, open(os.path.join(d, "metrics.jsonl"))) if r["kind"] == "train"]
     rates = [r["tokens_per_sec"] for r in records[1:]] or [records[-1]["tokens_per_sec"]]
     return sum(rates) / len(rates)
 

@@ -131,7 +131,7 @@ def test_tiny_config_trains_and_evaluates_on_8_devices(tmp_path):
     assert out["step"] == 4 and all(np.isfinite(out["losses"]))
     records = [json.loads(l) for l in open(tmp_path / "metrics.jsonl")]
     kinds = collections.Counter(r["kind"] for r in records)
-    assert kinds == {"train": 2, "eval": 2}
+    assert kinds["train"] == 2 and kinds["eval"] == 2 and kinds["goodput"] >= 1 and len(kinds) == 3
     evals = [r for r in records if r["kind"] == "eval"]
     assert [e["step"] for e in evals] == [2, 4]
     assert all(e["num_examples"] == 40 and 0.0 <= e["masked_lm_accuracy"] <= 1.0 for e in evals)

@@ -31,6 +31,7 @@ def test_default_job_trains_logs_and_checkpoints(tmp_path):
     others = [line for line in log.splitlines() if not re.match(r"\d\d:\d\d:\d\d |# ", line)]
     assert not others, others
     records = [json.loads(l) for l in open(d / "metrics.jsonl")]
+    records = [r for r in records if r["kind"] == "train"]
     assert [r["step"] for r in records] == [10, 20]
     assert records[-1]["loss"] < records[0]["loss"]  # falling loss
     assert "train.steps = 20" in open(d / "config.gin").read()
