@@ -98,7 +98,8 @@ def test_gpt2_fine_tunes_from_its_config_and_exports_back_to_transformers(gpt2, 
              "--gin_param=optimizer.learning_rate=1e-3", "--gin_param=optimizer.warmup_steps=0"]
     tuned = main_py(f"--model_dir={run}", "--gin_param=train.steps=2", *short)  # no --gin_file: run/config.gin
     assert tuned.returncode == 0, tuned.stderr
-    # train.init_from: the imported weights in a fresh folder (not its step): the same first loss.
+    # train.init_from: the imported weights in a fresh folder (step 0, no checkpoint of its own): on the
+    # first batch of a run from them, the loss the fine-tuning run logged at its first step.
     c, _ = single_device(run)
     fresh = make_run(c.task, c.model, TrainConfig(steps=1, global_batch_size=8, synthetic_data=True,
                                                   init_from=f"{run}/checkpoints/ckpt-0"), optimizers.OptimizerConfig(),
@@ -107,7 +108,9 @@ def test_gpt2_fine_tunes_from_its_config_and_exports_back_to_transformers(gpt2, 
         make_run(c.task, dataclasses.replace(c.model, mlp_dim=64), TrainConfig(init_from=str(run)),
                  optimizers.OptimizerConfig(), "data:8", tmp_path / "other").restore()
     first = next(json.loads(line)["loss"] for line in open(run / "metrics.jsonl") if '"train"' in line)
-    np.testing.assert_allclose(fresh.train()["losses"][0], first, rtol=1e-5)
+    assert fresh.restore() is None and int(fresh.trainer.step.numpy()) == 0
+    batch = next(fresh.synthetic_feed().start(0, None))
+    np.testing.assert_allclose(fresh.trainer.evaluate([batch], fresh.host_rows)["loss"], first, rtol=1e-5)
 
     convert.export_hub(str(run), str(out))
     hub_model = transformers.TFGPT2LMHeadModel.from_pretrained(str(out))

@@ -66,21 +66,36 @@ def expected_examples(files, seq_len=64):
     return n
 
 
+def eval_subset(path, source, records):
+    """Writes records `records` (indices) of eval file `source` to `path`: a small eval set of real documents."""
+    with tf.io.TFRecordWriter(str(path)) as writer:
+        for i, record in enumerate(tf.data.TFRecordDataset(source)):
+            if i in records:
+                writer.write(record.numpy())
+    return str(path)
+
+
 def eval_record(model_dir):
     return [json.loads(l) for l in open(os.path.join(model_dir, "metrics.jsonl")) if '"eval"' in l][-1]
 
 
 def test_same_metrics_and_exact_count_on_1_device_8_devices_and_2_hosts(tmp_path):
+    """The eval set: two files of the corpus's eval documents (72 and 133 rows), one per host:
+    the hosts run different numbers of batches, one of them ending in a short batch."""
     corpus = prepare.ensure()
-    files = sorted(tf.io.gfile.glob(prepare.split_paths(corpus, "eval")))[:2]
+    source = sorted(tf.io.gfile.glob(prepare.split_paths(corpus, "eval")))
+    files = [eval_subset(tmp_path / "eval-00000-of-00002.tfrecord", source[0], range(1, 4)),
+             eval_subset(tmp_path / "eval-00001-of-00002.tfrecord", source[1], range(3))]
     eval_param = "lm_data.eval_files='%s'" % ",".join(files)
     d = tmp_path / "run"
-    run(["gin/lm_tiny.gin"], SMALL + ["train.steps=2"], str(d), mesh_spec="data:4,model:2")
+    run(["gin/lm_tiny.gin"], SMALL + ["train.steps=2", "train.synthetic_data=True"], str(d),
+        mesh_spec="data:4,model:2")  # (a checkpoint to evaluate)
 
     eight = run(["gin/lm_tiny.gin"], SMALL + [eval_param], str(d), mode="eval", mesh_spec="data:2,model:4")
     truth = expected_examples(files)
     assert eight["num_examples"] == truth
     assert truth % 16 and truth % 2  # the set divides neither the batch nor the host count
+    assert sorted(expected_examples([f]) for f in files) == [72, 133]  # one host's share ends in a short batch
 
     base = ["--gin_file=gin/lm_tiny.gin", f"--model_dir={d}", "--mode=eval",
             *[f"--gin_param={p}" for p in SMALL + [eval_param]]]
@@ -99,7 +114,8 @@ def test_same_metrics_and_exact_count_on_1_device_8_devices_and_2_hosts(tmp_path
 
 def test_train_and_eval_alternates_and_stops_at_the_target(tmp_path):
     corpus = prepare.ensure()
-    one_file = "lm_data.eval_files='%s'" % sorted(tf.io.gfile.glob(prepare.split_paths(corpus, "eval")))[0]
+    source = sorted(tf.io.gfile.glob(prepare.split_paths(corpus, "eval")))[0]
+    one_file = "lm_data.eval_files='%s'" % eval_subset(tmp_path / "eval.tfrecord", source, range(1, 5))  # 167 rows
     params = SMALL + [one_file, "train.eval_every=2", "train.steps=4"]
     out = run(["gin/lm_tiny.gin"], params, str(tmp_path / "a"), mode="train_and_eval", mesh_spec="data:8")
     evals = [json.loads(l) for l in open(tmp_path / "a" / "metrics.jsonl") if '"eval"' in l]

@@ -11,7 +11,7 @@ from tensorflow.experimental import dtensor
 
 from conftest import make_run
 from tfpod import optimizers, partitioning
-from tfpod.controller import TrainConfig
+from tfpod.controller import Controller, TrainConfig
 from tfpod.mesh import make_mesh
 from tfpod.models import gpt
 
@@ -93,8 +93,11 @@ def test_weight_update_shards_optimizer_state_over_data_and_checkpoints_portably
     report = open(tmp_path / "layouts.txt").read()
     assert "# adamw optimizer state, update sharded over 'data' on mesh data:8" in report
     assert "gpt/block_0/intermediate/kernel/m" in report and "gpt/block_0/intermediate/kernel/update_shard" in report
-    # The slots are saved under their weights: the same checkpoint resumes with the data preset.
-    resumed = make(tmp_path, "data:8", "data", steps=4)
+    # The slots are saved under their weights: the same checkpoint resumes with the data preset (in
+    # the reference's model and compiled steps, at step 4: the restore must set every weight, slot and the step).
+    assert int(ref.trainer.step.numpy()) == 4
+    resumed = Controller(ref.trainer, ref.cfg, str(tmp_path))
+    assert resumed.restore() == 2
     assert_same_losses(resumed.train()["losses"], ref_losses[2:])
 
 

@@ -64,7 +64,8 @@ def test_kill9_then_sigterm_then_relaunch_equals_an_uninterrupted_run(tmp_path, 
     and exits 0; the last relaunch (in this process) finishes. Every step's loss and the final
     weights equal an uninterrupted run with the same seed (input position, step, optimizer
     slots and dropout masks restore)."""
-    ref = run(["gin/lm_tiny.gin"], KILL_PARAMS, str(tmp_path / "ref"), mesh_spec="data:8")
+    ref = run(["gin/lm_tiny.gin"], KILL_PARAMS + ["train.checkpoint_every=12"], str(tmp_path / "ref"),
+              mesh_spec="data:8")  # uninterrupted: one checkpoint, at the end
     d = tmp_path / "run"
     cmd = main_command("--gin_file=gin/lm_tiny.gin", "--cpu_devices=8", "--mesh=data:8", f"--model_dir={d}",
                        *[f"--gin_param={p}" for p in KILL_PARAMS])
@@ -176,7 +177,7 @@ def test_resume_is_exact_past_corrupt_and_partial_checkpoints(tmp_path, caplog):
     np.testing.assert_allclose(out["losses"], full[2:], rtol=1e-6)
     assert glob.glob(str(d / "checkpoints" / "ckpt-4.corrupt.0.data-*"))  # kept, not overwritten
     assert int(trainer.trainer.step.numpy()) == 8
-    again = train(d, steps=8, model=model).train()
+    again = Controller(trainer.trainer, trainer.cfg, str(d)).train()  # a rerun (the same model and steps)
     assert again["losses"] == [] and again["step"] == 8  # nothing left to train
 
 
@@ -261,8 +262,8 @@ def test_nonfinite_steps_never_reach_the_weights_or_a_checkpoint(tmp_path, caplo
     assert "hold NaN or Inf (model/final_norm/gamma)" in str(e.value)
     stopped.trainer.step.assign_add(1)
     stopped.checkpoints._manager.save(checkpoint_number=3)  # as tfpod before this check did
-    with caplog.at_level(logging.WARNING, logger="tfpod"):
-        assert train(tmp_path / "stop", **kw).checkpoints.restore_latest() == 2
+    with caplog.at_level(logging.WARNING, logger="tfpod"):  # a rerun's checkpoints (the model as built)
+        assert Controller(stopped.trainer, stopped.cfg, str(tmp_path / "stop")).checkpoints.restore_latest() == 2
     assert "ckpt-3 holds non-finite values (model/final_norm/gamma): moved it to" in caplog.text
     assert glob.glob(newest[:-1] + "3.nonfinite.0.index")
 

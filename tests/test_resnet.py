@@ -126,20 +126,26 @@ def make(model_dir, spec, preset):
     return make_run(resnet.TASK, cfg, train, opt, spec, model_dir, preset=preset)
 
 
-def test_data8_equals_data4_model2_tensor(tmp_path):
+@pytest.fixture(scope="module")
+def data_parallel(tmp_path_factory):
+    """The losses of the data-parallel run on data:8, the reference of the runs below."""
+    return np.array(make(tmp_path_factory.mktemp("data"), "data:8", "data").train()["losses"])
+
+
+def test_data8_equals_data4_model2_tensor(tmp_path, data_parallel):
     """Batch norm reduces its moments over the whole batch-sharded tensor (sync batch
     norm), so the per-device batch does not change the statistics: the losses match."""
-    ref = np.array(make(tmp_path / "data", "data:8", "data").train()["losses"])
+    ref = data_parallel
     tensor = np.array(make(tmp_path / "tensor", "data:4,model:2", "tensor").train()["losses"])
     assert ref.shape == (3,) and ref[-1] < ref[0]
     assert np.max(np.abs(tensor - ref) / np.abs(ref)) < 1e-4, (tensor, ref)
 
 
-def test_spatial_equals_data(tmp_path):
+def test_spatial_equals_data(tmp_path, data_parallel):
     """The `spatial` preset splits every image's rows over `model` (tfpod's halo exchange
     in every convolution and pooling; the 4x4 and smaller maps run with whole rows): the
     same losses as the data-parallel run."""
-    ref = np.array(make(tmp_path / "data", "data:8", "data").train()["losses"])
+    ref = data_parallel
     rows = np.array(make(tmp_path / "spatial", "data:2,model:4", "spatial").train()["losses"])
     assert np.max(np.abs(rows - ref) / np.abs(ref)) < 1e-4, (rows, ref)
 

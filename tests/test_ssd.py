@@ -1,7 +1,7 @@
 """SSD-ResNet34 task: the loss (hard negative mining), the reference shape (8732 boxes at
 300x300, built lazily), detection against TensorFlow's NMS, COCO eval against the JSON,
-and one train_and_eval of gin/ssd_tiny.gin through main.py on 8 logical devices whose
-COCO AP the export is then checked with.
+and one train_and_eval of gin/ssd_tiny.gin on 8 logical devices (tfpod's run API, as
+main.py runs it) whose COCO AP the export is then checked with.
 
 Baseline for the AP test: the untrained tiny model scores AP 0.0000 (AP50 0.00003) on
 the demo set's 128 val images; the tiny recipe reaches AP 0.22 (AP50 0.63) at step 300.
@@ -14,7 +14,6 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from conftest import main_py
 from tfpod import UserError, compat
 from tfpod.input import boxes as boxes_lib, detection, detection_demo
 from tfpod.input.common import ShardInfo
@@ -162,11 +161,12 @@ def test_config_errors_are_one_line(tmp_path):
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
-    """gin/ssd_tiny.gin trained and evaluated by main.py on 8 logical devices (about a minute)."""
+    """gin/ssd_tiny.gin trained and evaluated as main.py runs it, on this process's 8 logical
+    devices (about a minute; the evals on other device counts below run main.py)."""
+    from tfpod.api import run
+
     model_dir = str(tmp_path_factory.mktemp("ssd") / "run")
-    proc = main_py("--gin_file=gin/ssd_tiny.gin", "--cpu_devices=8", f"--model_dir={model_dir}",
-                   "--mode=train_and_eval", timeout=900)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    run(["gin/ssd_tiny.gin"], [], model_dir, mode="train_and_eval")
     return model_dir
 
 
@@ -271,6 +271,7 @@ def test_another_programs_coco_data_converts_and_trains(tmp_path):
 
     from conftest import ROOT
     from test_detection_input import write_coco
+    from tfpod.api import run
 
     images_dir, annotations, _ = write_coco(tmp_path)
     prefix = tmp_path / "data" / "coco"
@@ -280,14 +281,11 @@ def test_another_programs_coco_data_converts_and_trains(tmp_path):
     assert convert.returncode == 0, convert.stderr[-2000:]
     model_dir = tmp_path / "run"
     files = f"'{prefix}-*-of-00002.tfrecord'"
-    proc = main_py("--gin_file=gin/ssd_tiny.gin", "--cpu_devices=8", f"--model_dir={model_dir}", "--mode=train_and_eval",
-                   f"--gin_param=detection_data.train_files={files}", f"--gin_param=detection_data.eval_files={files}",
-                   f"--gin_param=detection_data.eval_annotations='{annotations}'", "--gin_param=train.steps=4",
-                   "--gin_param=train.steps_per_loop=2", "--gin_param=train.eval_every=4",
-                   "--gin_param=train.global_batch_size=8", "--gin_param=detection_data.shuffle_buffer=4",
-                   "--gin_param=optimizer.warmup_steps=0", "--gin_param=optimizer.piecewise_boundaries=[2, 3]",
-                   timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    run(["gin/ssd_tiny.gin"], [f"detection_data.train_files={files}", f"detection_data.eval_files={files}",
+                               f"detection_data.eval_annotations='{annotations}'", "train.steps=4",
+                               "train.steps_per_loop=2", "train.eval_every=4", "train.global_batch_size=8",
+                               "detection_data.shuffle_buffer=4", "optimizer.warmup_steps=0",
+                               "optimizer.piecewise_boundaries=[2, 3]"], str(model_dir), mode="train_and_eval")
     records = [json.loads(line) for line in open(model_dir / "metrics.jsonl")]
     final = [r for r in records if r["kind"] == "eval"][-1]
     assert final["step"] == 4 and final["num_examples"] == 4 and final["coco_images"] == 4

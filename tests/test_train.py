@@ -11,7 +11,7 @@ from tensorflow.experimental import dtensor
 from conftest import main_py, make_run
 from tfpod import UserError, optimizers
 from tfpod.api import run
-from tfpod.controller import TrainConfig
+from tfpod.controller import Controller, TrainConfig
 from tfpod.mesh import make_mesh
 from tfpod.models import gpt
 SMALL = dict(vocab_size=256, seq_len=32, num_layers=2, embed_dim=64, num_heads=8, mlp_dim=128)
@@ -71,7 +71,8 @@ def test_meshes_give_the_single_device_loss(tmp_path):
     proc = main_py("--gin_file=gin/lm_tiny.gin", "--cpu_devices=1", "--mesh=data:1,model:1", f"--model_dir={ref_dir}",
                    *[f"--gin_param={p}" for p in SMALL_PARAMS])
     assert proc.returncode == 0, proc.stderr[-3000:]
-    ref_losses = np.array([json.loads(l)["loss"] for l in open(ref_dir / "metrics.jsonl")])
+    records = [json.loads(l) for l in open(ref_dir / "metrics.jsonl")]
+    ref_losses = np.array([r["loss"] for r in records if r["kind"] == "train"])
     assert len(ref_losses) == 4 and np.ptp(ref_losses) > 1e-3  # the weights moved
     for spec in ["data:8", "data:2,model:4"]:  # (data:4,model:2 against data:8: test_presets)
         out = run(["gin/lm_tiny.gin"], SMALL_PARAMS, str(tmp_path / spec.replace(":", "").replace(",", "_")), mesh_spec=spec)
@@ -88,6 +89,7 @@ def test_tensor_preset_shards_weights_logs_metrics_and_bf16_stays_close(tmp_path
     assert dtensor.fetch_layout(slot).sharding_specs == [dtensor.UNSHARDED, "model"]
 
     records = [json.loads(l) for l in open(tmp_path / "fp32" / "metrics.jsonl")]
+    records = [r for r in records if r["kind"] != "goodput"]  # (the run's goodput summary: test_goodput)
     assert [r["step"] for r in records] == [2, 4]
     for r in records:
         assert r["kind"] == "train"
@@ -106,8 +108,9 @@ def test_tensor_preset_shards_weights_logs_metrics_and_bf16_stays_close(tmp_path
 
 
 def test_the_train_loop_compiles_once_and_checkpoints_keep_the_last_n(tmp_path, caplog):
-    """Calls of 2, 2 and 1 steps (a partial stack) and a resume reuse one trace: no recompiling.
-    Checkpoints come every 2 steps and at the end; the newest 2 are kept.
+    """Calls of 2, 2 and 1 steps (a partial stack), then a resumed run's calls of 1 and 1 on the
+    same Trainer, reuse one trace: no recompiling. Checkpoints come every 2 steps and at the
+    end; the newest 2 are kept.
 
     Under `data` the vocab rows are whole on every device, so the embedding is a gather
     (its gradient densified); under `tensor` (the other tests) a one-hot matmul.
@@ -123,8 +126,11 @@ def test_the_train_loop_compiles_once_and_checkpoints_keep_the_last_n(tmp_path, 
     assert trainer.model.token_embedding._use_one_hot is False
     checkpoints = lambda: sorted(f for f in os.listdir(tmp_path / "checkpoints") if f.endswith(".index"))
     assert checkpoints() == ["ckpt-4.index", "ckpt-5.index"]
-    trainer, out = train(tmp_path, mesh, steps=7, **kw)  # resumes at 5: calls of 1 and 1
-    assert len(out["losses"]) == 2 and trainer.traces == 1
+    resumed = Controller(trainer, TrainConfig(steps=7, global_batch_size=16, steps_per_loop=2, log_every=2,
+                                              checkpoint_every=2, keep_checkpoints=2, synthetic_data=True, seed=1),
+                         str(tmp_path))
+    out = resumed.train()  # resumes at 5 (ckpt-5): calls of 1 and 1
+    assert out["step"] == 7 and len(out["losses"]) == 2 and trainer.traces == 1
     assert checkpoints() == ["ckpt-6.index", "ckpt-7.index"]
 
 
