@@ -48,7 +48,7 @@ def test_every_task_is_configurable_under_its_gin_names():
 def test_main_modes_are_the_run_apis():
     from tfpod import main
 
-    assert set(api.MODES) == {"train", "eval", "train_and_eval", "export"}
+    assert set(api.MODES) == {"train", "eval", "train_and_eval", "export", "plan"}
     assert set(main.FLAGS["mode"].parser.enum_values) == set(api.MODES)
     with pytest.raises(UserError, match="--mode='serve'"):
         api.run(["gin/lm_tiny.gin"], [], "/nonexistent/run", mode="serve")

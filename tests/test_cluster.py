@@ -66,7 +66,11 @@ def test_no_cluster_or_dtensor_already_set_means_nothing_is_derived():
 
 def test_apply_sets_dtensors_variables(monkeypatch):
     for k in ("DTENSOR_CLIENT_ID", "DTENSOR_NUM_CLIENTS", "DTENSOR_JOBS", "DTENSOR_JOB_NAME", "CUDA_VISIBLE_DEVICES"):
-        monkeypatch.delenv(k, raising=False)
+        # set, then unset: monkeypatch restores each variable as it was (unset) after the test; delenv
+        # of an unset variable alone restores nothing, and cluster.apply's values stayed in this process
+        # (its later main.py subprocesses waited for hosts node1 and node2 until their timeout)
+        monkeypatch.setenv(k, "")
+        monkeypatch.delenv(k)
     cluster.apply(cluster.from_slurm(slurm_env()))
     assert os.environ["DTENSOR_CLIENT_ID"] == "3" and os.environ["DTENSOR_NUM_CLIENTS"] == "4"
     assert os.environ["DTENSOR_JOBS"] == "node1:9000,node1:9001,node2:9000,node2:9001"
