@@ -18,6 +18,10 @@ from tfpod import checkpoint
 SYNTHETIC = SMALL + ["train.synthetic_data=True", "train.steps_per_loop=1", "train.checkpoint_every=1"]
 
 
+def step_of(temp: str) -> int:
+    return int(os.path.basename(temp).split("_temp")[0].split("-")[1])
+
+
 def test_kill9_while_a_checkpoint_is_written_resumes_from_the_one_before(tmp_path):
     """A wider model (a ~25 MB checkpoint) whose background write is caught in progress."""
     wide = ["gpt.embed_dim=256", "gpt.mlp_dim=1024", "gpt.num_layers=2", "train.async_checkpoint=True"]
@@ -28,8 +32,8 @@ def test_kill9_while_a_checkpoint_is_written_resumes_from_the_one_before(tmp_pat
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline, caught = time.time() + 300, None
     while time.time() < deadline and caught is None:
-        writing = glob.glob(str(d / "checkpoints" / "ckpt-*_temp*"))
         done = checkpoint.complete_steps(str(d / "checkpoints")) if os.path.isdir(d / "checkpoints") else []
+        writing = [w for w in glob.glob(str(d / "checkpoints" / "ckpt-*_temp")) if step_of(w) not in done]
         if writing and done:  # a write in progress, with a complete one before it
             os.kill(proc.pid, signal.SIGKILL)
             caught = (writing, done)
@@ -37,7 +41,7 @@ def test_kill9_while_a_checkpoint_is_written_resumes_from_the_one_before(tmp_pat
     proc.wait(timeout=60)
     assert caught, "no checkpoint write was caught in progress"
     newest = checkpoint.complete_steps(str(d / "checkpoints"))[-1]
-    written = int(os.path.basename(caught[0][0]).split("_temp")[0].split("-")[1])
+    written = step_of(caught[0][0])
     assert newest < written  # the interrupted one is not complete; the one before it is the newest
     run = subprocess.run(main_command(*args, f"--model_dir={d}", *params, f"--gin_param=train.steps={written}"),
                          cwd=ROOT, capture_output=True, text=True, timeout=600)
@@ -51,12 +55,96 @@ def test_kill9_while_a_checkpoint_is_written_resumes_from_the_one_before(tmp_pat
     np.testing.assert_allclose([l for _, l in after], [l for _, l in before], rtol=1e-6)
 
 
-def test_several_hosts_refuse_asynchronous_checkpoints_in_one_line(tmp_path):
-    from conftest import launch_command
+def write_both_ways(tmp_path, mesh, preset, **sharding):
+    """One trained state written by a synchronous save (sync/) and by the background writer (async/)."""
+    from conftest import make_run
+    from test_train import SMALL
 
-    cmd = launch_command(2, 4, "--gin_file=gin/lm_tiny.gin", "--mesh=data:8", f"--model_dir={tmp_path}",
-                         *[f"--gin_param={p}" for p in SYNTHETIC + ["train.steps=2", "train.async_checkpoint=True"]])
-    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert out.returncode != 0
-    assert "error: train.async_checkpoint=True with 2 hosts" in out.stderr + out.stdout
-    assert not os.path.exists(tmp_path / "checkpoints" / "checkpoint")  # nothing was written
+    from tfpod import optimizers
+    from tfpod.controller import TrainConfig
+    from tfpod.models import gpt
+
+    train = TrainConfig(steps=2, global_batch_size=16, steps_per_loop=2, log_every=2, checkpoint_every=100,
+                        synthetic_data=True, seed=1)
+    opt = optimizers.OptimizerConfig(learning_rate=1e-2, warmup_steps=0, decay_steps=8)
+    run = make_run(gpt.TASK, gpt.GPTConfig(**SMALL), train, opt, mesh, tmp_path / "sync", preset=preset, **sharding)
+    run.train()  # its last step is saved synchronously
+    background = checkpoint.CheckpointManager(str(tmp_path / "async"), run.trainer.step, async_save=True,
+                                              model=run.trainer.model, optimizer=run.trainer.optimizer)
+    path = background.save()
+    background.wait()
+    return str(tmp_path / "sync" / "checkpoints" / "ckpt-2"), path, run, background
+
+
+def assert_same_checkpoint(sync, background, manager):
+    """The same keys, shapes and values (the object graph too); save_counter counts each manager's saves."""
+    import tensorflow as tf
+
+    assert dict(tf.train.list_variables(background)) == dict(tf.train.list_variables(sync))
+    a, b = tf.train.load_checkpoint(sync), tf.train.load_checkpoint(background)
+    for key in a.get_variable_to_shape_map():  # every variable, optimizer slot, the step and the object graph
+        if key.startswith("save_counter/"):
+            assert b.get_tensor(key) == manager._ckpt.save_counter.numpy()
+        else:
+            np.testing.assert_array_equal(b.get_tensor(key), a.get_tensor(key), err_msg=key)
+
+
+def test_a_background_checkpoint_holds_what_a_synchronous_one_does_and_restores_onto_another_mesh(tmp_path):
+    """gpt on data:2,model:4 with the 2d preset (weights split over both axes, replicated
+    norms, sharded optimizer slots): each distinct shard written once, by the device that owns it."""
+    import tensorflow as tf
+    from tensorflow.experimental import dtensor
+
+    from conftest import make_run
+    from test_train import SMALL
+
+    from tfpod import optimizers, runtime
+    from tfpod.controller import TrainConfig
+    from tfpod.models import gpt
+
+    sync, background, run, manager = write_both_ways(tmp_path, "data:2,model:4", "2d")
+    assert_same_checkpoint(sync, background, manager)
+    # one host's part, merged; nothing temporary left
+    assert sorted(os.listdir(tmp_path / "async" / "checkpoints")) == ["checkpoint", "ckpt-2.data-00000-of-00001",
+                                                                     "ckpt-2.index"]
+    assert tf.train.latest_checkpoint(str(tmp_path / "async" / "checkpoints")) == background
+    # A run on another mesh and preset resumes from it with the same weights.
+    train = TrainConfig(steps=2, global_batch_size=16, steps_per_loop=2, checkpoint_every=100, synthetic_data=True)
+    opt = optimizers.OptimizerConfig(learning_rate=1e-2, warmup_steps=0, decay_steps=8)
+    other = make_run(gpt.TASK, gpt.GPTConfig(**SMALL), train, opt, "data:8", tmp_path / "async", preset="data")
+    assert other.checkpoints.restore_latest() == 2
+    whole = lambda v: runtime.to_host(dtensor.relayout(v.read_value(), dtensor.Layout.replicated(
+        dtensor.fetch_layout(v.read_value()).mesh, len(v.shape))))
+    mine = {v.name: v for v in other.trainer.model.weights}
+    for v in run.trainer.model.weights:
+        np.testing.assert_array_equal(whole(mine[v.name]), whole(v), err_msg=v.name)
+
+
+def test_two_hosts_write_one_checkpoint_in_the_background_and_resume_exactly(tmp_path):
+    """2 local hosts (4 devices each, data:2,model:4 across them, the 2d preset: weights split
+    over both axes, so each host owns shards): each host writes its own, host 0 merges;
+    relaunched from it, the run repeats one process's losses."""
+    from conftest import launch_command
+    from test_pipeline import logged_losses
+
+    from tfpod.api import run
+
+    d = tmp_path / "run"
+    params = SYNTHETIC + ["train.async_checkpoint=True", "train.checkpoint_every=2", "sharding.preset='2d'"]
+    args = lambda steps: ["--gin_file=gin/lm_tiny.gin", "--mesh=data:2,model:4", f"--model_dir={d}",
+                          *[f"--gin_param={p}" for p in params + [f"train.steps={steps}"]]]
+    out = subprocess.run(launch_command(2, 4, *args(4)), cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "written in the background" in out.stdout + out.stderr
+    copied = [line for line in out.stdout.splitlines() if "copied off the devices" in line]
+    assert len(copied) == 4 and not [line for line in copied if "this host's 0 B" in line]  # 2 saves x 2 hosts
+    assert checkpoint.complete_steps(str(d / "checkpoints")) == [2, 4]
+    assert len(glob.glob(str(d / "checkpoints" / "ckpt-4.data-*-of-00002"))) == 2  # each host's part
+    assert not glob.glob(str(d / "checkpoints" / "*_temp*"))
+    again = subprocess.run(launch_command(2, 4, *args(6)), cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert f"resumed from {d}/checkpoints/ckpt-4" in again.stdout + again.stderr
+    run(["gin/lm_tiny.gin"], SYNTHETIC + ["train.steps=6"], str(tmp_path / "one"), mesh_spec="data:8")
+    reference, resumed = logged_losses(tmp_path / "one"), logged_losses(d)
+    assert sorted(resumed) == list(range(1, 7))
+    np.testing.assert_allclose([resumed[s] for s in range(1, 7)], [reference[s] for s in range(1, 7)], rtol=1e-5)

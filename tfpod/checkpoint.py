@@ -36,8 +36,8 @@ import numpy as np
 import tensorflow as tf
 from tensorflow.experimental import dtensor
 
-from tfpod import UserError, compat, preemption, runtime
-from tfpod.partitioning import stages
+from tfpod import UserError, checkpoint_writer, compat, preemption, runtime
+from tfpod.partitioning import report, stages
 
 log = logging.getLogger("tfpod")
 
@@ -70,12 +70,12 @@ class CheckpointManager:
         self._step = step
         self._ckpt = tf.train.Checkpoint(**trackables)
         self._model = trackables.get("model")
-        # Asynchronous saves: one more is kept, so a write in progress (which the manager
-        # already counts) never leaves fewer than `keep` complete checkpoints on disk.
-        self._async, self._writing = async_save, None
-        self._options = tf.train.CheckpointOptions(experimental_enable_async_checkpoint=True) if async_save else None
-        self._manager = tf.train.CheckpointManager(self._ckpt, self.directory, max_to_keep=keep + int(async_save),
-                                                   step_counter=step)
+        self._manager = tf.train.CheckpointManager(self._ckpt, self.directory, max_to_keep=keep, step_counter=step)
+        # Asynchronous saves (tfpod.checkpoint_writer): a checkpoint is recorded, and the
+        # oldest deleted, once it is whole, so `keep` complete ones stay on disk meanwhile.
+        self._writer = checkpoint_writer.BackgroundWriter(self._ckpt, dtensor.client_id(), dtensor.num_clients()) \
+            if async_save else None
+        self._writing = None
         # A save or restore names its files on DTensor's default mesh: make that the step's
         # (pipeline stages' variables are saved through the first stage, stages.save_through).
         layout = getattr(compat.inner_variable(step), "layout", None)
@@ -193,8 +193,9 @@ class CheckpointManager:
     def save(self, checked: bool = False) -> str:
         """Writes a checkpoint of the current step, never of non-finite state (NonfiniteState).
 
-        With `async_save` the state is copied off the devices and written by a background
-        thread while training goes on; the next save (and `wait`) first waits for it.
+        With `async_save` each host's shards are copied off the devices and written by a
+        background thread while training goes on (tfpod.checkpoint_writer); the next save
+        (and `wait`) first waits for it.
 
         Args:
           checked: the caller ran `check_finite` since the last update.
@@ -206,13 +207,18 @@ class CheckpointManager:
         started = time.time()
         try:
             with self._mesh():
-                path = self._manager.save(checkpoint_number=step, options=self._options)
+                if self._writer is None:
+                    path = self._manager.save(checkpoint_number=step)
+                else:
+                    self._ckpt.save_counter.assign_add(1)  # as the manager's save counts
+                    path = os.path.join(self.directory, f"ckpt-{step}")
+                    copied, held = self._writer.start(path, lambda p: compat.record_checkpoint(self._manager, p))
         except (tf.errors.OpError, OSError) as e:  # a full disk, a quota, a lost mount
             self._failed(step, e)
-        if self._async:
+        if self._writer is not None:
             self._writing = (step, path, started)
-            log.info("writing checkpoint %s in the background (copied off the devices in %.2f s)", path,
-                     time.time() - started)
+            log.info("writing checkpoint %s in the background (this host's %s copied off the devices in %.2f s)",
+                     path, report.human_bytes(held), copied)
         else:
             log.info("saved checkpoint %s", path)
         return path
@@ -224,8 +230,8 @@ class CheckpointManager:
         step, path, started = self._writing
         self._writing = None
         try:
-            self._ckpt.sync()
-        except (tf.errors.OpError, OSError) as e:
+            self._writer.wait()
+        except (tf.errors.OpError, OSError, checkpoint_writer.WriteFailed) as e:
             self._failed(step, e)
         log.info("saved checkpoint %s (written in the background, %.1f s after the step)", path, time.time() - started)
 

@@ -396,6 +396,27 @@ def checkpoint_objects(ckpt) -> dict:
     return {f"{names[o]}/.ATTRIBUTES/VARIABLE_VALUE": o for o in objects if isinstance(o, tf.Variable)}
 
 
+def checkpoint_object_graph(ckpt) -> bytes:
+    """The serialized object graph (TrackableObjectGraph) a save of `ckpt` writes beside its variables."""
+    from tensorflow.python.checkpoint import graph_view, save_util
+
+    return save_util.serialize_graph_view(graph_view.ObjectGraphView(ckpt))[3].SerializeToString()
+
+
+def record_checkpoint(manager, path: str) -> None:
+    """Records checkpoint `path`, written by other means, in a tf.train.CheckpointManager: it
+    becomes the newest in the `checkpoint` state file and the oldest beyond max_to_keep are
+    deleted (what the manager's own save does once its files are written)."""
+    import time
+
+    manager._maybe_delete.pop(path, None)
+    manager._maybe_delete[path] = time.time()
+    manager._latest_checkpoint = path
+    manager._record_state()
+    manager._sweep()
+    manager._record_state()
+
+
 def unary_dataset_base():
     """tf.data's base class of a dataset that wraps another with the same structure."""
     from tensorflow.python.data.ops import dataset_ops

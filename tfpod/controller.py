@@ -68,10 +68,11 @@ class TrainConfig:
         its newest) whose model weights a run without checkpoints of its own starts from;
         its optimizer state and step are not read (fine-tuning). A run that has
         checkpoints resumes from them instead.
-      async_checkpoint: copy the state off the devices at a save and write it in a
-        background thread while training goes on; the next save, SIGTERM and the end of
-        training wait for it, and one more checkpoint is kept so a write in progress never
-        leaves fewer than keep_checkpoints complete ones.
+      async_checkpoint: at a save each host copies its own shards of the state off the
+        devices and writes them in a background thread while training goes on
+        (tfpod.checkpoint_writer); the next save, a restore, SIGTERM and the end of training
+        wait for it. A checkpoint counts once it is whole, so keep_checkpoints complete
+        ones stay on disk while one is written. On one host or many.
     """
 
     steps: int = 100
@@ -143,11 +144,6 @@ class Controller:
         log.info("layouts (every variable: %s, written when training starts):\n%s",
                  os.path.join(model_dir, "layouts.txt"), summary)
         os.makedirs(model_dir, exist_ok=True)
-        if config.async_checkpoint and self.info.num_clients > 1:
-            raise UserError(f"train.async_checkpoint=True with {self.info.num_clients} hosts: TensorFlow's asynchronous "
-                            "checkpoint merges every host's files from each host's own background thread, and the "
-                            "hosts race (MergeV2Checkpoints: '<ckpt>_temp/part-00000-of-00001 not found'); use it on one "
-                            "host, or synchronous checkpoints (the default) on several")
         self.checkpoints = checkpoint.CheckpointManager(model_dir, trainer.step, keep=config.keep_checkpoints,
                                                         async_save=config.async_checkpoint,
                                                         model=trainer.model, optimizer=trainer.optimizer)

@@ -1,0 +1,193 @@
+"""Checkpoints written in the background while training goes on (`train.async_checkpoint`).
+
+At a save each host copies the shards it owns of every saved variable off its devices
+into host memory, and training goes on. A shard is owned by the first device holding it
+(the one at coordinate 0 on every mesh axis the variable is not split along), so each
+distinct piece of the state is copied once in the whole job and a host holds only its own
+part of the checkpoint. A background thread then writes them in TensorFlow's checkpoint
+format, with the files of a synchronous save:
+
+1. every host writes its shards as one bundle, `ckpt-N_temp/part-<host>` (`SaveV2`, each
+   shard as its slice of the whole variable; host 0 adds the object graph);
+2. host 0 waits for every host's part and merges them into `ckpt-N` (`MergeV2Checkpoints`,
+   which writes the index last and removes the temporary folder);
+3. every host, once `ckpt-N` is whole, records it in the `checkpoint` state file and
+   deletes the oldest beyond `keep` (tf.train.CheckpointManager's own bookkeeping).
+
+A checkpoint so written restores with `tf.train.Checkpoint.restore` onto any mesh and
+reads with `tf.train.load_checkpoint`, like a synchronous one. The hosts share nothing but
+the checkpoint folder (which a multi-host run needs anyway): no collective runs beside the
+training step's.
+
+TensorFlow's own asynchronous checkpoint (`CheckpointOptions(experimental_enable_async_
+checkpoint=True)`) is not used: its helper merges every host's files from each host's own
+thread, and the hosts race (`MergeV2Checkpoints: .../ckpt-4_temp/part-00000-of-00001 did
+not exist`, probed with 2 local hosts), and it copied gpt_small's 1.4 GiB state into
+12.7 GB of host memory.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from typing import Callable
+
+import tensorflow as tf
+from tensorflow.experimental import dtensor
+
+from tfpod import compat
+
+OBJECT_GRAPH_KEY = "_CHECKPOINTABLE_OBJECT_GRAPH"
+
+
+class WriteFailed(RuntimeError):
+    """Another host's part of a checkpoint could not be written (its own error is on that host)."""
+
+
+class BackgroundWriter:
+    """Writes checkpoints of `ckpt`'s variables in a background thread, one at a time.
+
+    Args:
+      ckpt: the tf.train.Checkpoint whose variables are written (model, optimizer, step).
+      host_id, num_hosts: this host and how many take part (each writes its own shards).
+      timeout_s: how long a host waits for the others' parts (or host 0's merge) before
+        the write fails.
+    """
+
+    def __init__(self, ckpt: tf.train.Checkpoint, host_id: int, num_hosts: int, timeout_s: float = 3600.0):
+        self._ckpt, self._host, self._hosts, self._timeout = ckpt, host_id, num_hosts, timeout_s
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self._graph: tuple[int, bytes] | None = None  # (number of variables, the object graph it was made for)
+        self._cpu = dtensor.local_devices("CPU")[0].to_string()
+
+    def start(self, prefix: str, on_complete: Callable[[str], None]) -> tuple[float, int]:
+        """Copies this host's shards off the devices, then writes checkpoint `prefix` in the background.
+
+        `on_complete(prefix)` runs in the background thread once the checkpoint is whole.
+        Waits for the previous write first (and raises its error).
+
+        Returns:
+          The seconds the copy took and the bytes it holds in host memory.
+        """
+        self.wait()
+        started = time.time()
+        entries = self._snapshot()
+        graph = self._object_graph() if self._host == 0 else None
+        held = sum(t.shape.num_elements() * t.dtype.size for _, _, t in entries)
+        copied = time.time() - started
+        self._thread = threading.Thread(target=self._write, args=(prefix, entries, graph, on_complete),
+                                        name="tfpod-checkpoint-writer")
+        self._thread.start()
+        return copied, held
+
+    def wait(self) -> None:
+        """Blocks until the write started last is complete; raises what it failed with."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise error
+
+    @property
+    def writing(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def _snapshot(self) -> list[tuple[str, str, tf.Tensor]]:
+        """[(checkpoint key, slice spec, host copy)] of the shards this host writes."""
+        entries = []
+        for key, variable in compat.checkpoint_objects(self._ckpt).items():
+            value = compat.inner_variable(variable).read_value()
+            if not dtensor.is_dtensor(value):  # a plain variable (on one device): host 0 writes it whole
+                if self._host == 0:
+                    entries.append((key, "", self._copy(value)))
+                continue
+            layout = dtensor.fetch_layout(value)
+            split = [s for s in layout.sharding_specs if s not in (dtensor.UNSHARDED, dtensor.MATCH)]
+            for component, location in zip(dtensor.unpack(value), layout.mesh.local_device_locations()):
+                if any(location[axis] != 0 for axis in layout.mesh.dim_names if axis not in split):
+                    continue  # a replica of a shard that another device writes
+                entries.append((key, slice_spec(value.shape.as_list(), layout, location), self._copy(component)))
+        return entries
+
+    def _copy(self, tensor: tf.Tensor) -> tf.Tensor:
+        with tf.device(self._cpu):
+            return tf.identity(tensor)
+
+    def _object_graph(self) -> bytes:
+        """The serialized object graph a synchronous save writes (made again when variables are added)."""
+        count = len(compat.checkpoint_objects(self._ckpt))
+        if self._graph is None or self._graph[0] != count:
+            self._graph = (count, compat.checkpoint_object_graph(self._ckpt))
+        return self._graph[1]
+
+    def _write(self, prefix: str, entries, graph: bytes | None, on_complete) -> None:
+        temp = prefix + "_temp"
+        try:
+            if graph is not None:
+                entries = entries + [(OBJECT_GRAPH_KEY, "", tf.constant(graph))]
+            part = os.path.join(temp, f"part-{self._host:05d}")
+            tf.io.gfile.makedirs(temp)
+            if entries:
+                with tf.device(self._cpu):
+                    tf.raw_ops.SaveV2(prefix=part, tensor_names=[k for k, _, _ in entries],
+                                      shape_and_slices=[s for _, s, _ in entries], tensors=[t for _, _, t in entries])
+            else:  # every shard on this host's devices is a replica that another host writes
+                with tf.io.gfile.GFile(part + ".none", "w") as f:
+                    f.write("")
+            del entries
+            if self._host == 0:
+                parts = [os.path.join(temp, f"part-{h:05d}") for h in range(self._hosts)]
+                written = lambda p: tf.io.gfile.exists(p + ".index")
+                self._until(lambda: all(written(p) or tf.io.gfile.exists(p + ".none") for p in parts), temp,
+                            "every host's part")
+                for p in parts:
+                    if not written(p):
+                        tf.io.gfile.remove(p + ".none")
+                with tf.device(self._cpu):
+                    tf.raw_ops.MergeV2Checkpoints(checkpoint_prefixes=[p for p in parts if written(p)],
+                                                  destination_prefix=prefix, delete_old_dirs=True,
+                                                  allow_missing_files=False)
+            else:
+                self._until(lambda: tf.io.gfile.exists(prefix + ".index") and not tf.io.gfile.exists(temp), temp,
+                            "host 0 to merge the parts")
+            on_complete(prefix)
+        except BaseException as e:  # noqa: BLE001 -- raised in the thread that waits
+            self._error = e
+            try:  # the other hosts stop waiting for this one
+                with tf.io.gfile.GFile(f"{temp}.failed-host{self._host}", "w") as f:
+                    f.write(f"{type(e).__name__}: {e}"[:1000])
+            except (tf.errors.OpError, OSError):
+                pass
+
+    def _until(self, done: Callable[[], bool], temp: str, what: str) -> None:
+        deadline = time.time() + self._timeout
+        while not done():
+            failed = tf.io.gfile.glob(f"{temp}.failed-host*")
+            if failed:
+                raise WriteFailed(f"host {failed[0].rsplit('.failed-host', 1)[1]} could not write its part "
+                                  "(its log says why)")
+            if time.time() > deadline:
+                raise WriteFailed(f"waited {self._timeout:.0f} s for {what} of {os.path.basename(temp)}")
+            time.sleep(0.05)
+
+
+def slice_spec(shape: list[int], layout: dtensor.Layout, location: dict[str, int]) -> str:
+    """TensorFlow's "full shape + slice" string for the shard at mesh `location`, e.g. "8 4 2,2:-".
+
+    An unsplit variable is written whole (the empty spec).
+    """
+    specs = layout.sharding_specs
+    if all(s in (dtensor.UNSHARDED, dtensor.MATCH) for s in specs):
+        return ""
+    ranges = []
+    for size, axis in zip(shape, specs):
+        if axis in (dtensor.UNSHARDED, dtensor.MATCH):
+            ranges.append("-")
+        else:
+            piece = size // layout.mesh.dim_size(axis)
+            ranges.append(f"{location[axis] * piece},{piece}")
+    return " ".join(str(s) for s in shape) + " " + ":".join(ranges)
+
