@@ -2,10 +2,13 @@
 
 import json
 import os
+import subprocess
+import time
 
 import numpy as np
 import pytest
 
+from conftest import ROOT, main_command
 from test_multihost import SMALL
 
 from tfpod import api, checkpoint, goodput
@@ -31,12 +34,24 @@ def test_goodput_counts_every_launch_and_the_steps_a_restart_trains_again(tmp_pa
     for f in os.listdir(os.path.join(d, "checkpoints")):
         if f.startswith("ckpt-6"):
             os.remove(os.path.join(d, "checkpoints", f))
+    # A launch killed before it restored anything (while TensorFlow loads) records nothing
+    # itself: its time is badput between the launches.
+    started = time.time()
+    command = main_command("--gin_file=gin/lm_tiny.gin", "--cpu_devices=8", "--mesh=data:4,model:2", f"--model_dir={d}",
+                           *[f"--gin_param={p}" for p in PARAMS + ["train.steps=8"]])
+    killed = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    time.sleep(2)
+    killed.kill()
+    killed.wait()
+    dead = time.time() - started
     api.run(["gin/lm_tiny.gin"], PARAMS + ["train.steps=8"], d, mesh_spec="data:4,model:2")
     launches = json.load(open(os.path.join(d, "goodput.json")))["launches"]
     assert [(l["first_step"], l["last_step"]) for l in launches] == [(0, 6), (4, 8)]
     summary = goodput.summarize(launches)
     lost = launches[0]["productive_s"] * 2 / 6  # steps 5 and 6 of the first launch
     assert summary["badput"]["lost_to_restarts"] == pytest.approx(lost / summary["wall_s"])
+    assert summary["wall_s"] == pytest.approx(launches[1]["last"] - launches[0]["start"])
+    assert summary["badput"]["between_launches"] * summary["wall_s"] >= dead
     assert 0 < summary["goodput"] < 1
     assert summary["goodput"] + sum(summary["badput"].values()) == pytest.approx(1.0)
     records = [json.loads(line) for line in open(os.path.join(d, "metrics.jsonl"))]

@@ -16,9 +16,12 @@ killed keeps what it had reached):
 A launch resumed from step s re-trains the steps its predecessors trained past s: their
 productive time is lost to the restart. So, over all launches:
 
+  wall    = from the first launch's process start to the newest record
   goodput = (productive - lost to restarts) / wall
-  badput  = startup, compile, checkpoints, evaluation, lost to restarts, and the rest
-            (input waits, logging, restoring, time after the last record of a killed launch)
+  badput  = startup, compile, checkpoints, evaluation, lost to restarts, between launches
+            (from a launch's last record to the next one's process start: a killed
+            launch's last moments, launches killed before they restored a checkpoint, and
+            the wait for a relaunch), and the rest (input waits, logging, restoring)
 
 metrics.jsonl gets a record {"kind": "goodput", "step", "goodput", "wall_s", "launches",
 "badput": {cause: share of wall time}} at every save and at the end, and the end of a
@@ -35,7 +38,7 @@ import time
 log = logging.getLogger("tfpod")
 
 FILE = "goodput.json"
-CAUSES = ("startup", "compile", "checkpoints", "evaluation", "lost_to_restarts", "other")
+CAUSES = ("startup", "compile", "checkpoints", "evaluation", "lost_to_restarts", "between_launches", "other")
 
 
 _LAUNCH = {"start": None}
@@ -66,7 +69,8 @@ def process_start() -> float:
 
 def summarize(launches: list[dict]) -> dict:
     """Goodput and badput shares of a history of launches (see the module docstring)."""
-    wall = sum(max(0.0, l["last"] - l["start"]) for l in launches)
+    wall = max(0.0, launches[-1]["last"] - launches[0]["start"]) if launches else 0.0
+    between = sum(max(0.0, launch["start"] - before["last"]) for before, launch in zip(launches, launches[1:]))
     lost = 0.0
     for before, launch in zip(launches, launches[1:]):  # the steps the predecessor trained past the resume point
         again = max(0, before["last_step"] - max(before["first_step"], launch["first_step"]))
@@ -74,7 +78,7 @@ def summarize(launches: list[dict]) -> dict:
     productive = sum(l["productive_s"] for l in launches) - lost
     parts = {"startup": sum(l["startup_s"] for l in launches), "compile": sum(l["compile_s"] for l in launches),
              "checkpoints": sum(l["checkpoint_s"] for l in launches), "evaluation": sum(l["eval_s"] for l in launches),
-             "lost_to_restarts": lost}
+             "lost_to_restarts": lost, "between_launches": between}
     parts["other"] = max(0.0, wall - productive - sum(parts.values()))
     share = (lambda x: x / wall) if wall > 0 else (lambda x: 0.0)
     return {"goodput": share(productive), "wall_s": wall, "productive_s": productive, "launches": len(launches),
