@@ -7,8 +7,8 @@ AdamW's slots) on 8 logical CPU devices under `tensor` (data:2,model:4), global 
 one step per call of the compiled loop, saving every `checkpoint_every` steps, in its own
 process. From metrics.jsonl's per-step records: the steady step time (steps after no
 save), and the wall time of the steps that include a save (the step's own time plus the
-save's blocking part: the whole write when synchronous, the copy off the devices when
-asynchronous; a background write also competes with the next steps for this machine's
+save's blocking part: the whole write when synchronous, the copy of each host's own shards
+off the devices when asynchronous (tfpod.checkpoint_writer); a background write also competes with the next steps for this machine's
 2 cores, which accelerators' hosts do not).
 
 The last line is one JSON object: {"sync": {...}, "async": {...}}.
@@ -18,7 +18,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
+import re
+import resource
 import statistics
 import sys
 import tempfile
@@ -40,9 +43,15 @@ def worker(args) -> dict:
               "train.global_batch_size=8", "gpt.dropout=0.0", "gpt.attention_dropout=0.0",
               f"train.async_checkpoint={args.worker == 'async'}", "sharding.preset='tensor'"]
     d = tempfile.mkdtemp()
+    lines = []  # tfpod's own log lines: what a save blocked for, and when its background write ended
+    handler = logging.Handler()
+    handler.emit = lambda record: lines.append((record.created, record.getMessage()))
+    logging.getLogger("tfpod").addHandler(handler)
+    logging.getLogger("tfpod").setLevel(logging.INFO)
     started = time.time()
     api.run(["gin/gpt_small.gin"], params, d, mode="train", mesh_spec="data:2,model:4", cpu_devices=8)
     wall = time.time() - started
+    text = "\n".join(m for _, m in lines)
     records = [json.loads(line) for line in open(os.path.join(d, "metrics.jsonl"))]
     times = {r["step"]: r["time"] for r in records if r["kind"] == "train"}
     steps = sorted(times)
@@ -52,7 +61,15 @@ def worker(args) -> dict:
     plain = [v for s, v in dt.items() if s not in saved_before and s > 2]
     return {"mode": args.worker, "steady_step_s": statistics.median(plain),
             "step_after_save_s": statistics.median(dt[s] for s in saved_before),
-            "steps": args.steps, "checkpoint_every": args.checkpoint_every, "run_wall_s": wall}
+            "steps": args.steps, "checkpoint_every": args.checkpoint_every, "run_wall_s": wall,
+            "peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
+            # async: the copy off the devices each save blocked for, and each write's end after its step
+            "copy_s": [float(m) for m in re.findall(r"copied off the devices in ([0-9.]+) s", text)],
+            "written_after_s": [float(m) for m in re.findall(r"written in the background, ([0-9.]+) s", text)],
+            # from a step's record to its save's return (the finite check, then the write or the copy)
+            "save_blocked_s": [round(t - max(v for v in times.values() if v <= t), 2) for t, m in lines
+                               if m.startswith(("saved checkpoint", "writing checkpoint")) and "background," not in m],
+            "host_copy": re.findall(r"this host's (.+?) copied", text)[:1]}
 
 
 def main() -> None:
