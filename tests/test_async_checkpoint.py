@@ -9,6 +9,7 @@ import subprocess
 import time
 
 import numpy as np
+import pytest
 
 from conftest import ROOT, main_command
 from test_multihost import SMALL
@@ -89,9 +90,13 @@ def assert_same_checkpoint(sync, background, manager):
             np.testing.assert_array_equal(b.get_tensor(key), a.get_tensor(key), err_msg=key)
 
 
-def test_a_background_checkpoint_holds_what_a_synchronous_one_does_and_restores_onto_another_mesh(tmp_path):
+@pytest.mark.parametrize("mesh,preset", [("data:2,model:4", "2d"), ("stage:2,data:2,model:2", "tensor")],
+                         ids=["2d", "pipeline"])
+def test_a_background_checkpoint_holds_what_a_synchronous_one_does_and_restores_onto_another_mesh(
+        tmp_path, mesh, preset):
     """gpt on data:2,model:4 with the 2d preset (weights split over both axes, replicated
-    norms, sharded optimizer slots): each distinct shard written once, by the device that owns it."""
+    norms, sharded optimizer slots), and in 2 pipeline stages (each stage's variables on its
+    own mesh): each distinct shard written once, by the device that owns it."""
     import tensorflow as tf
     from tensorflow.experimental import dtensor
 
@@ -102,7 +107,7 @@ def test_a_background_checkpoint_holds_what_a_synchronous_one_does_and_restores_
     from tfpod.controller import TrainConfig
     from tfpod.models import gpt
 
-    sync, background, run, manager = write_both_ways(tmp_path, "data:2,model:4", "2d")
+    sync, background, run, manager = write_both_ways(tmp_path, mesh, preset)
     assert_same_checkpoint(sync, background, manager)
     # one host's part, merged; nothing temporary left
     assert sorted(os.listdir(tmp_path / "async" / "checkpoints")) == ["checkpoint", "ckpt-2.data-00000-of-00001",
@@ -148,3 +153,30 @@ def test_two_hosts_write_one_checkpoint_in_the_background_and_resume_exactly(tmp
     reference, resumed = logged_losses(tmp_path / "one"), logged_losses(d)
     assert sorted(resumed) == list(range(1, 7))
     np.testing.assert_allclose([resumed[s] for s in range(1, 7)], [reference[s] for s in range(1, 7)], rtol=1e-5)
+
+
+EXIT_WHILE_WRITING = """
+import sys
+from tfpod import checkpoint, runtime
+runtime.initialize(cpu_devices=8)
+import tensorflow as tf
+from tensorflow.experimental import dtensor
+mesh = dtensor.create_mesh([("data", 2), ("model", 4)], device_type="CPU")
+layout = dtensor.Layout(["unsharded", "model"], mesh)
+module = tf.Module()
+module.weights = [dtensor.DVariable(dtensor.call_with_layout(tf.ones, layout, [4000, 4000])) for _ in range(4)]
+step = dtensor.DVariable(dtensor.call_with_layout(tf.fill, dtensor.Layout.replicated(mesh, 0), [], tf.constant(5, tf.int64)))
+checkpoint.CheckpointManager(sys.argv[1], step, async_save=True, model=module).save()
+raise SystemExit("stopped by an error while a checkpoint is written")
+"""
+
+
+def test_a_process_stopped_by_an_error_finishes_its_background_write(tmp_path):
+    """One host: a run that leaves on an error (not kill -9) still completes the checkpoint in flight."""
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", EXIT_WHILE_WRITING, str(tmp_path)], cwd=ROOT, capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 1 and "stopped by an error" in out.stderr
+    assert checkpoint.complete_steps(str(tmp_path / "checkpoints")) == [5]
+    assert "model_checkpoint_path: \"ckpt-5\"" in open(tmp_path / "checkpoints" / "checkpoint").read()

@@ -28,6 +28,7 @@ not exist`, probed with 2 local hosts), and it copied gpt_small's 1.4 GiB state 
 
 from __future__ import annotations
 
+import atexit
 import os
 import threading
 import time
@@ -59,7 +60,8 @@ class BackgroundWriter:
         self._ckpt, self._host, self._hosts, self._timeout = ckpt, host_id, num_hosts, timeout_s
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
-        self._graph: tuple[int, bytes] | None = None  # (number of variables, the object graph it was made for)
+        self._graph: tuple[int, bytes] | None = None
+        self._exit_hook = False  # (number of variables, the object graph it was made for)
         self._cpu = dtensor.local_devices("CPU")[0].to_string()
 
     def start(self, prefix: str, on_complete: Callable[[str], None]) -> tuple[float, int]:
@@ -77,9 +79,14 @@ class BackgroundWriter:
         graph = self._object_graph() if self._host == 0 else None
         held = sum(t.shape.num_elements() * t.dtype.size for _, _, t in entries)
         copied = time.time() - started
+        # A daemon thread: training's own waits (the next save, a restore, SIGTERM, the end)
+        # finish a write; a process leaving on an error finishes it at exit (`_at_exit`).
         self._thread = threading.Thread(target=self._write, args=(prefix, entries, graph, on_complete),
-                                        name="tfpod-checkpoint-writer")
+                                        name="tfpod-checkpoint-writer", daemon=True)
         self._thread.start()
+        if not self._exit_hook:
+            atexit.register(self._at_exit)
+            self._exit_hook = True
         return copied, held
 
     def wait(self) -> None:
@@ -90,6 +97,13 @@ class BackgroundWriter:
         if self._error is not None:
             error, self._error = self._error, None
             raise error
+
+    def _at_exit(self, multi_host_grace_s: float = 60.0) -> None:
+        """At interpreter exit (a run stopped by an error): one host finishes its write, which
+        waits for nobody; with several, a host waits a bounded time, since the host that
+        would merge may be gone (the checkpoint before stays the newest complete one)."""
+        if self._thread is not None and self._thread.is_alive():
+            self._thread.join(None if self._hosts == 1 else multi_host_grace_s)
 
     @property
     def writing(self) -> bool:
