@@ -8,8 +8,9 @@ one step per call of the compiled loop, saving every `checkpoint_every` steps, i
 process. From metrics.jsonl's per-step records: the steady step time (steps after no
 save), and the wall time of the steps that include a save (the step's own time plus the
 save's blocking part: the whole write when synchronous, the copy of each host's own shards
-off the devices when asynchronous (tfpod.checkpoint_writer); a background write also competes with the next steps for this machine's
-2 cores, which accelerators' hosts do not).
+off the devices when asynchronous (tfpod.checkpoint_writer); a background write also
+competes with the next steps for this machine's 2 cores, which accelerators' hosts do
+not).
 
 The last line is one JSON object: {"sync": {...}, "async": {...}}.
 """

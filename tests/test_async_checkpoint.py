@@ -56,10 +56,10 @@ def test_kill9_while_a_checkpoint_is_written_resumes_from_the_one_before(tmp_pat
     np.testing.assert_allclose([l for _, l in after], [l for _, l in before], rtol=1e-6)
 
 
-def write_both_ways(tmp_path, mesh, preset, **sharding):
-    """One trained state written by a synchronous save (sync/) and by the background writer (async/)."""
+def small_run(model_dir, mesh, preset, **sharding):
+    """A Controller of test_train's small gpt for 2 steps (a save only at the end)."""
     from conftest import make_run
-    from test_train import SMALL
+    from test_train import SMALL as SMALL_GPT
 
     from tfpod import optimizers
     from tfpod.controller import TrainConfig
@@ -68,7 +68,12 @@ def write_both_ways(tmp_path, mesh, preset, **sharding):
     train = TrainConfig(steps=2, global_batch_size=16, steps_per_loop=2, log_every=2, checkpoint_every=100,
                         synthetic_data=True, seed=1)
     opt = optimizers.OptimizerConfig(learning_rate=1e-2, warmup_steps=0, decay_steps=8)
-    run = make_run(gpt.TASK, gpt.GPTConfig(**SMALL), train, opt, mesh, tmp_path / "sync", preset=preset, **sharding)
+    return make_run(gpt.TASK, gpt.GPTConfig(**SMALL_GPT), train, opt, mesh, model_dir, preset=preset, **sharding)
+
+
+def write_both_ways(tmp_path, mesh, preset, **sharding):
+    """One trained state written by a synchronous save (sync/) and by the background writer (async/)."""
+    run = small_run(tmp_path / "sync", mesh, preset, **sharding)
     run.train()  # its last step is saved synchronously
     background = checkpoint.CheckpointManager(str(tmp_path / "async"), run.trainer.step, async_save=True,
                                               model=run.trainer.model, optimizer=run.trainer.optimizer)
@@ -100,12 +105,7 @@ def test_a_background_checkpoint_holds_what_a_synchronous_one_does_and_restores_
     import tensorflow as tf
     from tensorflow.experimental import dtensor
 
-    from conftest import make_run
-    from test_train import SMALL
-
-    from tfpod import optimizers, runtime
-    from tfpod.controller import TrainConfig
-    from tfpod.models import gpt
+    from tfpod import runtime
 
     sync, background, run, manager = write_both_ways(tmp_path, mesh, preset)
     assert_same_checkpoint(sync, background, manager)
@@ -114,9 +114,7 @@ def test_a_background_checkpoint_holds_what_a_synchronous_one_does_and_restores_
                                                                      "ckpt-2.index"]
     assert tf.train.latest_checkpoint(str(tmp_path / "async" / "checkpoints")) == background
     # A run on another mesh and preset resumes from it with the same weights.
-    train = TrainConfig(steps=2, global_batch_size=16, steps_per_loop=2, checkpoint_every=100, synthetic_data=True)
-    opt = optimizers.OptimizerConfig(learning_rate=1e-2, warmup_steps=0, decay_steps=8)
-    other = make_run(gpt.TASK, gpt.GPTConfig(**SMALL), train, opt, "data:8", tmp_path / "async", preset="data")
+    other = small_run(tmp_path / "async", "data:8", "data")
     assert other.checkpoints.restore_latest() == 2
     whole = lambda v: runtime.to_host(dtensor.relayout(v.read_value(), dtensor.Layout.replicated(
         dtensor.fetch_layout(v.read_value()).mesh, len(v.shape))))

@@ -15,9 +15,10 @@ random state that a killed process loses).
 Writes are atomic: TensorFlow writes a checkpoint's files under temporary names and
 renames them, and the `checkpoint` state file last. With `async_save`
 (train.async_checkpoint) tfpod.checkpoint_writer writes the same files in a background
-thread, each host its own shards, and records the checkpoint once it is whole. A checkpoint missing a data shard
-is skipped (`complete_steps`); one whose files fail their checksums is reported, moved
-aside and the one before it used (`CheckpointManager.restore_latest`).
+thread, each host its own shards, and records the checkpoint once it is whole. A
+checkpoint missing a data shard is skipped (`complete_steps`); one whose files fail
+their checksums is reported, moved aside and the one before it used
+(`CheckpointManager.restore_latest`).
 
 No checkpoint is written of non-finite state: `save` first checks every weight and
 optimizer slot for NaN and Inf (`NonfiniteState`), so the newest checkpoint is always

@@ -60,8 +60,8 @@ class BackgroundWriter:
         self._ckpt, self._host, self._hosts, self._timeout = ckpt, host_id, num_hosts, timeout_s
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
-        self._graph: tuple[int, bytes] | None = None
-        self._exit_hook = False  # (number of variables, the object graph it was made for)
+        self._graph: tuple[int, bytes] | None = None  # (number of variables, the object graph made for them)
+        self._exit_hook = False
         self._cpu = dtensor.local_devices("CPU")[0].to_string()
 
     def start(self, prefix: str, on_complete: Callable[[str], None]) -> tuple[float, int]:
@@ -75,8 +75,9 @@ class BackgroundWriter:
         """
         self.wait()
         started = time.time()
-        entries = self._snapshot()
-        graph = self._object_graph() if self._host == 0 else None
+        variables = compat.checkpoint_objects(self._ckpt)
+        entries = self._snapshot(variables)
+        graph = self._object_graph(len(variables)) if self._host == 0 else None
         held = sum(t.shape.num_elements() * t.dtype.size for _, _, t in entries)
         copied = time.time() - started
         # A daemon thread: training's own waits (the next save, a restore, SIGTERM, the end)
@@ -105,21 +106,18 @@ class BackgroundWriter:
         if self._thread is not None and self._thread.is_alive():
             self._thread.join(None if self._hosts == 1 else multi_host_grace_s)
 
-    @property
-    def writing(self) -> bool:
-        return self._thread is not None and self._thread.is_alive()
-
-    def _snapshot(self) -> list[tuple[str, str, tf.Tensor]]:
-        """[(checkpoint key, slice spec, host copy)] of the shards this host writes."""
+    def _snapshot(self, variables: dict) -> list[tuple[str, str, tf.Tensor]]:
+        """[(checkpoint key, slice spec, host copy)] of the shards of `variables` ({key:
+        variable}) this host writes."""
         entries = []
-        for key, variable in compat.checkpoint_objects(self._ckpt).items():
+        for key, variable in variables.items():
             value = compat.inner_variable(variable).read_value()
             if not dtensor.is_dtensor(value):  # a plain variable (on one device): host 0 writes it whole
                 if self._host == 0:
                     entries.append((key, "", self._copy(value)))
                 continue
             layout = dtensor.fetch_layout(value)
-            split = [s for s in layout.sharding_specs if s not in (dtensor.UNSHARDED, dtensor.MATCH)]
+            split = split_axes(layout)
             for component, location in zip(dtensor.unpack(value), layout.mesh.local_device_locations()):
                 if any(location[axis] != 0 for axis in layout.mesh.dim_names if axis not in split):
                     continue  # a replica of a shard that another device writes
@@ -130,9 +128,9 @@ class BackgroundWriter:
         with tf.device(self._cpu):
             return tf.identity(tensor)
 
-    def _object_graph(self) -> bytes:
-        """The serialized object graph a synchronous save writes (made again when variables are added)."""
-        count = len(compat.checkpoint_objects(self._ckpt))
+    def _object_graph(self, count: int) -> bytes:
+        """The serialized object graph a synchronous save writes (made again when the number
+        of variables, `count`, changes: an optimizer's slots appear at its first step)."""
         if self._graph is None or self._graph[0] != count:
             self._graph = (count, compat.checkpoint_object_graph(self._ckpt))
         return self._graph[1]
@@ -188,20 +186,24 @@ class BackgroundWriter:
             time.sleep(0.05)
 
 
+def split_axes(layout: dtensor.Layout) -> list[str]:
+    """The mesh axes a layout splits its tensor along."""
+    return [s for s in layout.sharding_specs if s not in (dtensor.UNSHARDED, dtensor.MATCH)]
+
+
 def slice_spec(shape: list[int], layout: dtensor.Layout, location: dict[str, int]) -> str:
     """TensorFlow's "full shape + slice" string for the shard at mesh `location`, e.g. "8 4 2,2:-".
 
     An unsplit variable is written whole (the empty spec).
     """
-    specs = layout.sharding_specs
-    if all(s in (dtensor.UNSHARDED, dtensor.MATCH) for s in specs):
+    split = split_axes(layout)
+    if not split:
         return ""
     ranges = []
-    for size, axis in zip(shape, specs):
-        if axis in (dtensor.UNSHARDED, dtensor.MATCH):
-            ranges.append("-")
-        else:
+    for size, axis in zip(shape, layout.sharding_specs):
+        if axis in split:
             piece = size // layout.mesh.dim_size(axis)
             ranges.append(f"{location[axis] * piece},{piece}")
+        else:
+            ranges.append("-")
     return " ".join(str(s) for s in shape) + " " + ":".join(ranges)
-

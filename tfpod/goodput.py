@@ -70,9 +70,10 @@ def process_start() -> float:
 def summarize(launches: list[dict]) -> dict:
     """Goodput and badput shares of a history of launches (see the module docstring)."""
     wall = max(0.0, launches[-1]["last"] - launches[0]["start"]) if launches else 0.0
-    between = sum(max(0.0, launch["start"] - before["last"]) for before, launch in zip(launches, launches[1:]))
-    lost = 0.0
-    for before, launch in zip(launches, launches[1:]):  # the steps the predecessor trained past the resume point
+    lost = between = 0.0
+    for before, launch in zip(launches, launches[1:]):
+        between += max(0.0, launch["start"] - before["last"])
+        # the steps the predecessor trained past the resume point
         again = max(0, before["last_step"] - max(before["first_step"], launch["first_step"]))
         lost += before["productive_s"] * again / max(1, before["last_step"] - before["first_step"])
     productive = sum(l["productive_s"] for l in launches) - lost
