@@ -164,7 +164,7 @@ def stream_source(cfg, name: str, pattern: str, shard: ShardInfo, seed: int, **d
     `_NOT_STREAM`, this host's training files with their sizes, and `derived` values
     (the row length, the vocabulary file and its size, ...). The trainer saves it
     beside each input position; a different source at resume means the saved position
-    describes other data (checkpoint.InputCheckpoint).
+    describes other data (tfpod.input_position.InputCheckpoint).
     """
     fields = {f"{name}.{f.name}": getattr(cfg, f.name) for f in dataclasses.fields(cfg)
               if "eval" not in f.name and f.name not in _NOT_STREAM}

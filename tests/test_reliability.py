@@ -151,8 +151,8 @@ def train(model_dir, mesh_spec="data:4,model:2", preset="tensor", steps=4, model
 
 def test_resume_is_exact_past_corrupt_and_partial_checkpoints(tmp_path, caplog):
     """8 steps straight, against: 6 steps (checkpoints 2, 4, 6), then ckpt-6 left without its
-    data (a host died saving) and ckpt-4 corrupted (its checksums fail): the rerun skips
-    the one, reports and moves aside the other, resumes from ckpt-2, and every resumed
+    data shards and ckpt-4 corrupted (its checksums fail): the rerun reports and moves aside
+    both (neither is written over later), resumes from ckpt-2, and every resumed
     step matches (rel 1e-6). Tensor-parallel, with every dropout on: the replicas of a
     replicated weight stay equal (DTensor's seed reuse once made them drift apart; see
     partitioning.random_layout), so the checkpoint (one replica) continues the same run."""
@@ -173,7 +173,8 @@ def test_resume_is_exact_past_corrupt_and_partial_checkpoints(tmp_path, caplog):
     with caplog.at_level(logging.WARNING, logger="tfpod"):
         trainer = train(d, steps=8, checkpoint_every=2, model=model)
         out = trainer.train()
-    assert "ckpt-6 is incomplete" in caplog.text
+    assert "ckpt-6 is damaged (its data shards are missing" in caplog.text
+    assert os.path.exists(d / "checkpoints" / "ckpt-6.corrupt.0.index")
     assert "checkpoint " + str(d / "checkpoints" / "ckpt-4") + " is corrupt" in caplog.text
     assert len(out["losses"]) == 6  # resumed at step 2
     np.testing.assert_allclose(out["losses"], full[2:], rtol=1e-6)

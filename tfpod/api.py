@@ -94,31 +94,49 @@ class Session:
     info: object  # runtime.RuntimeInfo
     placement: object  # partitioning.Placement
     task_input: object | None  # input.common.TaskInput
+    claim: object | None = None  # run_folder.Claim: this job's hold on model_dir (writing modes)
+
+    def __enter__(self) -> "Session":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.claim is not None:
+            self.claim.release()
 
 
-def start(c: RunConfigs, options: RunOptions, model_dir: str = "") -> Session:
+def start(c: RunConfigs, options: RunOptions, model_dir: str = "", claim: bool = False) -> Session:
     """Starts the runtime, makes the mesh and placement (a mesh axis nothing uses is an error),
     and this host's input (the default demo data is prepared here on first use).
+
+    With `claim` (modes that write model_dir) the job first takes model_dir
+    (tfpod.run_folder: a folder a live run holds is refused); used as a context manager,
+    the Session gives it back at the end.
 
     `--mesh=auto` (or sharding.preset='auto') asks the planner for the layout: it is
     applied to `c` in place (tfpod.plan.choose_for_run) and kept in model_dir/plan.json.
     """
-    from tfpod import mesh as meshlib, partitioning, runtime
+    from tfpod import mesh as meshlib, partitioning, run_folder, runtime
     from tfpod.input.common import ShardInfo
 
     info = runtime.initialize(cpu_devices=options.cpu_devices, device_type=options.device_type)
-    spec = options.mesh_spec or c.experiment.mesh
-    if spec == "auto" or c.sharding.preset == "auto":
-        from tfpod import plan
+    held = run_folder.take(model_dir, info.client_id, info.num_clients, meshlib.host_max) if claim else None
+    try:
+        spec = options.mesh_spec or c.experiment.mesh
+        if spec == "auto" or c.sharding.preset == "auto":
+            from tfpod import plan
 
-        spec = plan.choose_for_run(c, spec, info, model_dir)
-    meshes = meshlib.make_stage_meshes(spec)
-    placement = partitioning.Placement.from_config(c.sharding, c.task.default_preset, meshes)
-    _check_image_rows(c.task, placement)
-    task_input = None
-    if not c.train.synthetic_data:
-        task_input = c.task.make_input(c.data, c.model, ShardInfo(info.client_id, info.num_clients), c.train.seed)
-    return Session(info, placement, task_input)
+            spec = plan.choose_for_run(c, spec, info, model_dir)
+        meshes = meshlib.make_stage_meshes(spec)
+        placement = partitioning.Placement.from_config(c.sharding, c.task.default_preset, meshes)
+        _check_image_rows(c.task, placement)
+        task_input = None
+        if not c.train.synthetic_data:
+            task_input = c.task.make_input(c.data, c.model, ShardInfo(info.client_id, info.num_clients), c.train.seed)
+    except BaseException:
+        if held is not None:
+            held.release()
+        raise
+    return Session(info, placement, task_input, held)
 
 
 def _check_image_rows(task, placement) -> None:
@@ -176,18 +194,18 @@ def train(c: RunConfigs, model_dir: str, options: RunOptions, evaluating: bool =
     record of an earlier run in model_dir as it was.
     """
     check_writable(model_dir)
-    session = start(c, options, model_dir)
-    run = controller(c.task, c.model, c.train, c.optimizer, session.placement, model_dir, c.data,
-                     c.sharding.pipeline_schedule)
-    run.restore()  # a checkpoint that does not fit stops the run here
-    eval_batches = None
-    if evaluating:
-        _check_eval_data(c, session, "train_and_eval")
-        if not c.train.eval_every:
-            raise UserError("--mode=train_and_eval needs train.eval_every > 0: the steps between evaluations")
-        eval_batches = _eval_batches(session, run.host_rows)
-    feed = run.dataset_feed(session.task_input) if session.task_input is not None else None
-    return run.train(feed, eval_batches=eval_batches, run_files={"config.gin": config.operative_config()})
+    with start(c, options, model_dir, claim=True) as session:  # a folder another live run holds is refused
+        run = controller(c.task, c.model, c.train, c.optimizer, session.placement, model_dir, c.data,
+                         c.sharding.pipeline_schedule)
+        run.restore()  # a checkpoint that does not fit stops the run here
+        eval_batches = None
+        if evaluating:
+            _check_eval_data(c, session, "train_and_eval")
+            if not c.train.eval_every:
+                raise UserError("--mode=train_and_eval needs train.eval_every > 0: the steps between evaluations")
+            eval_batches = _eval_batches(session, run.host_rows)
+        feed = run.dataset_feed(session.task_input) if session.task_input is not None else None
+        return run.train(feed, eval_batches=eval_batches, run_files={"config.gin": config.operative_config()})
 
 
 def train_and_eval(c: RunConfigs, model_dir: str, options: RunOptions) -> dict:
@@ -256,8 +274,17 @@ def run(gin_files: list[str], gin_params: list[str], model_dir: str, mode: str =
         raise UserError(f"--mode={mode!r}: use one of {', '.join(MODES)}")
     saved = os.path.join(model_dir, "config.gin")
     if not gin_files and os.path.isfile(saved):  # a run's own config (e.g. an imported model's): train on
-        gin_files = [saved]
         log.info("config: %s (no --gin_file given)", saved)
-    config.parse_config(gin_files, gin_params)
+        try:
+            config.parse_config([saved], gin_params)
+        except UserError as e:
+            try:
+                config.parse_config([saved], [])  # the file alone: is it the file, or a --gin_param?
+            except UserError:
+                raise UserError(f"{saved} is damaged or not a valid config ({e}): restore it from a backup, or pass "
+                                "the run's --gin_file(s) and --gin_param(s) again") from None
+            raise e from None
+    else:
+        config.parse_config(gin_files, gin_params)
     configs = build_run_configs()
     return MODES[mode](configs, model_dir, RunOptions(**options))

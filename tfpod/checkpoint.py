@@ -4,21 +4,23 @@ One `tf.train.Checkpoint` holds the model and optimizer DVariables (the optimize
 step counter is the global step). Every host takes part in the sharded write and read.
 `CheckpointManager` resumes from the newest checkpoint in `model_dir` that is complete
 and readable, saves every `checkpoint_every` steps and at the end, and keeps the last
-`keep` checkpoints. Each host's input position is saved beside it (`InputCheckpoint`).
+`keep` checkpoints. Each host's input position is saved beside it (tfpod.input_position).
 
 A resumed run repeats an uninterrupted one exactly because everything a step depends
 on is restored or is a function of the step: weights, optimizer slots and step (the
-sharded checkpoint), the input position (`InputCheckpoint`), synthetic batches (seeded
+sharded checkpoint), the input position (tfpod.input_position), synthetic batches (seeded
 by the step) and dropout masks (tfpod.partitioning.dropout: seeded by the step, not by a
 random state that a killed process loses).
 
 Writes are atomic: TensorFlow writes a checkpoint's files under temporary names and
 renames them, and the `checkpoint` state file last. With `async_save`
 (train.async_checkpoint) tfpod.checkpoint_writer writes the same files in a background
-thread, each host its own shards, and records the checkpoint once it is whole. A
-checkpoint missing a data shard is skipped (`complete_steps`); one whose files fail
-their checksums is reported, moved aside and the one before it used
-(`CheckpointManager.restore_latest`).
+thread, each host its own shards, and records the checkpoint once it is whole. The
+index comes last, so a checkpoint with an index whose data shards are missing or mixed
+from two writes is damaged (`scan`); it, and one whose files fail their checksums, is
+reported, moved aside and the one before it used (`CheckpointManager.restore_latest`).
+A damaged `checkpoint` state file is moved aside and rebuilt (`open_manager`). One run
+writes a folder at a time (tfpod.run_folder).
 
 No checkpoint is written of non-finite state: `save` first checks every weight and
 optimizer slot for NaN and Inf (`NonfiniteState`), so the newest checkpoint is always
@@ -40,28 +42,66 @@ import numpy as np
 import tensorflow as tf
 from tensorflow.experimental import dtensor
 
-from tfpod import UserError, checkpoint_writer, compat, preemption, runtime
+from tfpod import UserError, checkpoint_writer, compat, mesh as meshlib, preemption, run_folder, runtime
 from tfpod.partitioning import report, stages
 
 log = logging.getLogger("tfpod")
 
 
 def complete_steps(directory: str) -> list[int]:
-    """Steps of the checkpoints in `directory` whose index and every data shard are on disk, ascending.
+    """Steps of the checkpoints in `directory` whose index and every data shard are on disk, ascending."""
+    return scan(directory)[0]
 
-    A host that dies while saving leaves a checkpoint that the manager's bookkeeping
-    may already name but whose files are partial; such a one is skipped.
+
+def scan(directory: str) -> tuple[list[int], list[int]]:
+    """(complete, damaged) checkpoint steps in `directory`, each ascending.
+
+    Complete: the index and exactly the data shards one write makes (`.data-0000i-of-0000K`
+    for i < K). Damaged: an index whose data shards are missing or mixed from different
+    writes (two runs writing one folder at once left such ones). Every tfpod write puts
+    the index last, so a write stopped midway leaves no index: data shards without one
+    are neither (a later save of that step replaces them).
     """
-    steps = []
+    complete, damaged = [], []
     for index in tf.io.gfile.glob(os.path.join(directory, "ckpt-*.index")):
         prefix = index[: -len(".index")]
         number = prefix.rsplit("-", 1)[1]
         if not number.isdigit():  # ckpt-N.corrupt.K: moved aside
             continue
-        data = tf.io.gfile.glob(prefix + ".data-*-of-*")
-        if data and len(data) == int(data[0].rsplit("-of-", 1)[1]):
-            steps.append(int(number))
-    return sorted(steps)
+        shards = {tuple(int(x) for x in f.rsplit(".data-", 1)[1].split("-of-"))
+                  for f in tf.io.gfile.glob(prefix + ".data-*-of-*")}
+        counts = {k for _, k in shards}
+        whole = len(counts) == 1 and shards == {(i, *counts) for i in range(*counts)}
+        (complete if whole else damaged).append(int(number))
+    return sorted(complete), sorted(damaged)
+
+
+def open_manager(ckpt: tf.train.Checkpoint, directory: str, keep: int, steps: list[int], chief: bool = True,
+                 **kwargs) -> tf.train.CheckpointManager:
+    """A tf.train.CheckpointManager of `directory`, its `checkpoint` state file checked first.
+
+    A damaged state file (the list of checkpoints, which TensorFlow would ignore and then
+    write over) is moved aside by the `chief` with one warning, and the list is rebuilt
+    from the newest `keep` of `steps` (the complete checkpoints on disk; older ones are
+    left on disk, never deleted).
+    """
+    state = os.path.join(directory, "checkpoint")
+    damaged = None
+    if tf.io.gfile.exists(state):
+        try:
+            if tf.train.get_checkpoint_state(directory) is None:  # TensorFlow logs the parse error and gives up
+                damaged = "not a checkpoint list"
+        except ValueError as e:
+            damaged = first_line(e)
+    if damaged and chief:
+        moved = run_folder.move_aside(state)
+        log.warning("%s is damaged (%s): moved it to %s and rebuilt the list from the %d complete checkpoint(s) "
+                    "on disk", state, damaged, moved, len(steps))
+    manager = tf.train.CheckpointManager(ckpt, directory, max_to_keep=keep, **kwargs)
+    if damaged and chief:
+        for step in steps[-keep:]:
+            compat.record_checkpoint(manager, os.path.join(directory, f"ckpt-{step}"))
+    return manager
 
 
 class CheckpointManager:
@@ -74,7 +114,8 @@ class CheckpointManager:
         self._step = step
         self._ckpt = tf.train.Checkpoint(**trackables)
         self._model = trackables.get("model")
-        self._manager = tf.train.CheckpointManager(self._ckpt, self.directory, max_to_keep=keep, step_counter=step)
+        self._manager = open_manager(self._ckpt, self.directory, keep, complete_steps(self.directory),
+                                     dtensor.client_id() == 0, step_counter=step)
         # Asynchronous saves (tfpod.checkpoint_writer): a checkpoint is recorded, and the
         # oldest deleted, once it is whole, so `keep` complete ones stay on disk meanwhile.
         self._writer = checkpoint_writer.BackgroundWriter(self._ckpt, dtensor.client_id(), dtensor.num_clients()) \
@@ -131,42 +172,50 @@ class CheckpointManager:
     def restore_latest(self) -> int | None:
         """Restores the newest complete, readable checkpoint if there is one; returns its step or None.
 
-        A checkpoint missing data shards (a host stopped while saving) is skipped; one whose
-        files fail to read (checksum mismatch, truncated) is moved aside to
-        `ckpt-N.corrupt.*`, and one holding a NaN or Inf (tfpod writes none; an older
-        version could) to `ckpt-N.nonfinite.*`, so that no later save writes over them,
-        and the one before is used.
+        A damaged checkpoint (an index whose data shards are missing or mixed from two
+        writes, `scan`) or one whose files fail to read (checksum mismatch, truncated) is
+        moved aside to `ckpt-N.corrupt.*`, and one holding a NaN or Inf (tfpod writes none;
+        an older version could) to `ckpt-N.nonfinite.*`, so that no later save writes over
+        them, and the one before is used. Host 0 moves them; on a folder another live run
+        holds (an evaluation beside training) they are left in place, with the warning.
         """
-        steps = self.complete_steps()
+        complete, damaged = scan(self.directory)
+        for step in damaged:
+            self._set_aside(os.path.join(self.directory, f"ckpt-{step}"), "corrupt",
+                            "is damaged (its data shards are missing or come from different writes)")
         latest = self._manager.latest_checkpoint
-        if not steps:
-            if latest:
-                log.warning("checkpoint %s is incomplete and no complete one exists: starting from scratch", latest)
-            return None
-        if latest and latest != os.path.join(self.directory, f"ckpt-{steps[-1]}"):
-            log.warning("newest checkpoint %s is incomplete (a host stopped while saving): skipping it", latest)
+        if latest and not tf.io.gfile.exists(latest + ".index"):
+            log.warning("the newest checkpoint the list names, %s, has no index (its write did not finish): "
+                        "skipping it", latest)
         fix = "use the gin config it was trained with, or a new --model_dir"
-        for step in reversed(steps):
+        for step in reversed(complete):
             path = os.path.join(self.directory, f"ckpt-{step}")
             try:
                 verify(path)
             except NonfiniteCheckpoint as e:  # written by an older tfpod, or by hand: never resumed from
-                moved = quarantine(path, "nonfinite") if dtensor.client_id() == 0 else "*.nonfinite.* by host 0"
-                log.warning("checkpoint %s holds non-finite values (%s): moved it to %s; trying the one before it",
-                            path, e, moved)
+                self._set_aside(path, "nonfinite", f"holds non-finite values ({e})")
                 continue
-            except (tf.errors.OpError, RuntimeError) as e:
-                # every host finds the same files corrupt; host 0 alone moves them
-                moved = quarantine(path) if dtensor.client_id() == 0 else "*.corrupt.* by host 0"
-                log.warning("checkpoint %s is corrupt (%s): moved it to %s; trying the one before it",
-                            path, first_line(e), moved)
+            except (tf.errors.OpError, RuntimeError) as e:  # every host finds the same files corrupt
+                self._set_aside(path, "corrupt", f"is corrupt ({first_line(e)})")
                 continue
             self._restore(path, fix)
             restored = int(self._step.numpy())
             log.info("resumed from %s at step %d", path, restored)
             return restored
-        raise UserError(f"every checkpoint in {self.directory} is corrupt or non-finite (moved aside as "
+        if not complete and not damaged:
+            return None
+        raise UserError(f"every checkpoint in {self.directory} is damaged, corrupt or non-finite (moved aside as "
                         "*.corrupt.* or *.nonfinite.*): restore the folder from a backup, or start a new --model_dir")
+
+    def _set_aside(self, path: str, kind: str, why: str) -> None:
+        """Moves a checkpoint that cannot be resumed from aside (host 0), with one warning."""
+        holder = run_folder.live_holder(os.path.dirname(self.directory))
+        if holder is not None:
+            log.warning("checkpoint %s %s: left in place, as a live run holds this folder (%s); trying the one "
+                        "before it", path, why, run_folder.describe(holder))
+            return
+        moved = quarantine(path, kind) if dtensor.client_id() == 0 else f"*.{kind}.* by host 0"
+        log.warning("checkpoint %s %s: moved it to %s; trying the one before it", path, why, moved)
 
     def nonfinite(self) -> list[str]:
         """The saved variables (weights, optimizer slots) holding a NaN or Inf now, by checkpoint key.
@@ -407,17 +456,7 @@ def mismatch(ckpt: tf.train.Checkpoint, path: str, show: int = 3, weights_only: 
 
 def any_host(mesh: dtensor.Mesh, flag: bool) -> bool:
     """Whether `flag` is true on any host (a max over every device of the mesh)."""
-    rank = len(mesh.dim_names)
-    layout = dtensor.Layout(list(mesh.dim_names), mesh)  # one element per device
-    local = [tf.fill([1] * rank, 1.0 if flag else 0.0)] * len(mesh.local_devices())
-    packed = dtensor.pack(local, layout)
-    total = _reduce_max(packed)
-    return bool(dtensor.unpack(total)[0].numpy() > 0)
-
-
-@tf.function
-def _reduce_max(x):
-    return tf.reduce_max(x)
+    return meshlib.host_max([1.0 if flag else 0.0], mesh)[0] > 0
 
 
 class Preemption:
@@ -453,105 +492,3 @@ class Preemption:
         if self.num_clients == 1:
             return self.signaled
         return any_host(self.mesh, self.signaled)
-
-
-class InputCheckpoint:
-    """One host's input position (its tf.data iterator), saved beside each model checkpoint.
-
-    A tf.data iterator cannot share a tf.train.Checkpoint with DVariables, so every host
-    keeps its own small checkpoint in model_dir/checkpoints/input-host<h>/, numbered by
-    the same step as the model checkpoint it belongs to. It is written before the model
-    checkpoint, so the newest model checkpoint always has its input position.
-
-    Beside each one, `ckpt-<step>.source.json` records what the input was built from
-    (the data config, this host's files and their sizes, the row length, vocabulary,
-    batch rows, seed and host count). A position is restored only into the same input:
-    a changed file, format or batch would otherwise go on feeding the old data (the
-    position replays the old stream) or fail deep inside tf.data.
-    """
-
-    def __init__(self, model_dir: str, host_id: int, iterator, keep: int = 3, source: dict | None = None):
-        self.directory = os.path.join(model_dir, "checkpoints", f"input-host{host_id}")
-        self.source = source
-        self._ckpt = tf.train.Checkpoint(iterator=iterator)
-        self._manager = tf.train.CheckpointManager(self._ckpt, self.directory, max_to_keep=keep)
-
-    def save(self, step: int) -> None:
-        try:
-            if self.source is not None:  # first: the position never exists without what it describes
-                os.makedirs(self.directory, exist_ok=True)
-                write_atomically(self._source_path(step), json.dumps(self.source, indent=1, sort_keys=True))
-            self._manager.save(checkpoint_number=step)
-        except (tf.errors.OpError, OSError) as e:  # a full disk, a quota, a lost mount
-            raise UserError(f"the input position of step {step} could not be written to {self.directory} "
-                            f"({first_line(runtime.error_cause(e))}): free space there (or fix the error) and rerun "
-                            "to resume; the checkpoints already there are intact") from None
-        kept = {os.path.basename(p) for p in self._manager.checkpoints}
-        for f in tf.io.gfile.glob(os.path.join(self.directory, "ckpt-*.source.json")):
-            if os.path.basename(f)[: -len(".source.json")] not in kept:
-                tf.io.gfile.remove(f)
-
-    def _source_path(self, step: int) -> str:
-        return os.path.join(self.directory, f"ckpt-{step}.source.json")
-
-    def restore(self, step: int, strict: bool = False) -> str:
-        """Restores the position saved with the model checkpoint of `step`, if it fits this input.
-
-        Returns:
-          "restored"; "skipped" (no position was saved, or the input changed: the iterator
-          is untouched, at the input's beginning); or "failed" (tf.data could not restore it
-          into this pipeline: the caller starts over with a new dataset). A warning says
-          why it was not restored.
-
-        Raises:
-          UserError: with `strict` (train.strict_resume), instead of starting over.
-        """
-        path = os.path.join(self.directory, f"ckpt-{step}")
-        if not tf.io.gfile.exists(path + ".index"):
-            return self._cannot(step, f"checkpoint step {step} has no input position in {self.directory} (the run "
-                                      "that wrote it read synthetic data, the tf.data service, or another host count)",
-                                strict, "skipped")
-        stored = None
-        if tf.io.gfile.exists(self._source_path(step)):
-            with tf.io.gfile.GFile(self._source_path(step)) as f:
-                stored = json.load(f)
-        # A setting the stored record lacks (one a later tfpod added) cannot have been changed by that run.
-        if stored is not None and self.source is not None and stored != {k: self.source.get(k) for k in stored}:
-            return self._cannot(step, f"the input changed since checkpoint step {step} "
-                                      f"({source_changes(stored, self.source)})", strict, "skipped")
-        try:
-            self._ckpt.restore(path).assert_existing_objects_matched()
-        except (tf.errors.OpError, AssertionError, ValueError) as e:
-            return self._cannot(step, f"the input position saved at step {step} does not fit this input pipeline "
-                                      f"({first_line(e)})", strict, "failed")
-        log.info("input resumed at step %d from %s", step, path)
-        return "restored"
-
-    @staticmethod
-    def _cannot(step: int, why: str, strict: bool, outcome: str) -> str:
-        if strict:
-            raise UserError(f"{why}: train.strict_resume=True will not start the input over; undo the change, or set "
-                            "train.strict_resume=False to start the new input from its beginning")
-        log.warning("%s: the input starts from its beginning at step %d, not where the checkpoint left it "
-                    "(train.strict_resume=True refuses instead)", why, step)
-        return outcome
-
-
-def source_changes(before: dict, now: dict, show: int = 3) -> str:
-    """What differs between two input sources, in a few words (`InputCheckpoint`)."""
-    short = lambda v: (repr(v) if len(repr(v)) <= 60 else repr(v)[:57] + "...")
-    parts = []
-    for key in sorted(before):
-        old, new = before.get(key), now.get(key)
-        if old == new:
-            continue
-        if key == "files" and old is not None and new is not None:
-            gone = [f for f, _ in old if f not in {g for g, _ in new}]
-            added = [f for f, _ in new if f not in {g for g, _ in old}]
-            resized = [f for f, size in new if [f, size] not in old and f not in added]
-            parts.append("this host's files: " + ", ".join(
-                f"{len(v)} {what} (e.g. {os.path.basename(v[0])})"
-                for what, v in (("gone", gone), ("new", added), ("changed size", resized)) if v))
-        else:
-            parts.append(f"{key}: {short(old)} -> {short(new)}")
-    return "; ".join(parts[:show]) + (f"; and {len(parts) - show} more" if len(parts) > show else "")

@@ -23,7 +23,7 @@ from typing import Mapping
 
 import numpy as np
 
-from tfpod import UserError, checkpoint, feeding, flops, goodput, mesh as meshlib, nonfinite, runtime
+from tfpod import UserError, checkpoint, feeding, flops, goodput, mesh as meshlib, nonfinite, run_folder, runtime
 from tfpod.metrics_writer import MetricsWriter, Throughput
 from tfpod.trainer import Trainer
 
@@ -336,6 +336,7 @@ class Controller:
                 raise
             return guard.roll_back(f"the weights or optimizer state became NaN or Inf at step {step} "
                                    f"({', '.join(e.variables[:3])})")
+        run_folder.check_held(self.model_dir)  # another run took the folder over: write nothing more
         feed.save(step)  # first, so the model checkpoint always has its input position
         self.checkpoints.save(checked=True)
         self.goodput.add("checkpoint", time.time() - started)

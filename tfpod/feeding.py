@@ -3,7 +3,7 @@
 A feed gives this host's rows of each global batch, in order from a step on, as
 numpy arrays; the controller stacks a loop call's batches (`stack`) and the placement
 packs them onto the mesh. A dataset feed saves its position beside every checkpoint
-(checkpoint.InputCheckpoint) and restores it on resume when the input is the same.
+(input_position.InputCheckpoint) and restores it on resume when the input is the same.
 """
 
 from __future__ import annotations
@@ -15,7 +15,8 @@ from typing import Callable, Iterator, Mapping
 import numpy as np
 import tensorflow as tf
 
-from tfpod import UserError, checkpoint
+from tfpod import UserError, input_position
+from tfpod.checkpoint import first_line
 from tfpod.input.common import TaskInput
 
 log = logging.getLogger("tfpod")
@@ -67,7 +68,7 @@ class DatasetFeed:
     strict: bool = False
     data_name: str = "data"
     skip_corrupt_knob: bool = False
-    _input_ckpt: checkpoint.InputCheckpoint | None = dataclasses.field(default=None, init=False)
+    _input_ckpt: input_position.InputCheckpoint | None = dataclasses.field(default=None, init=False)
 
     def start(self, step: int, resumed: int | None) -> Iterator[dict]:
         """Host batches from the resumed position (or the input's beginning)."""
@@ -76,7 +77,7 @@ class DatasetFeed:
         if self.task_input.checkpointable:
             source = {**self.task_input.source, "host_rows": self.host_rows, "seed": self.seed,
                       "hosts": self.num_hosts, "host": self.host_id}
-            make = lambda it: checkpoint.InputCheckpoint(self.model_dir, self.host_id, it, self.keep, source)
+            make = lambda it: input_position.InputCheckpoint(self.model_dir, self.host_id, it, self.keep, source)
             self._input_ckpt = make(iterator)
             # (a step-0 checkpoint, e.g. an imported model's, starts the input at its beginning: exact)
             if resumed and self._input_ckpt.restore(resumed, strict=self.strict) == "failed":
@@ -99,7 +100,7 @@ class DatasetFeed:
                     "(global_batch / hosts rows of seq_len + 1 tokens); add data or lower train.global_batch_size"
                 ) from None
             except tf.errors.DataLossError as e:
-                raise UserError(f"corrupt input data ({checkpoint.first_line(e)}): {self._corrupt_hint()}") from None
+                raise UserError(f"corrupt input data ({first_line(e)}): {self._corrupt_hint()}") from None
             except tf.errors.InvalidArgumentError as e:  # an input pipeline's own check (e.g. an id past the vocab)
                 text = str(e)
                 if "assertion failed: [" not in text:

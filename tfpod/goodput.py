@@ -35,6 +35,8 @@ import logging
 import os
 import time
 
+from tfpod import run_folder
+
 log = logging.getLogger("tfpod")
 
 FILE = "goodput.json"
@@ -96,8 +98,14 @@ class Goodput:
             try:
                 with open(self.path) as f:
                     self.history = json.load(f)["launches"]
-            except (OSError, ValueError, KeyError):
-                log.warning("%s is unreadable: goodput counts from this launch on", self.path)
+                if not isinstance(self.history, list) or not all(isinstance(l, dict) for l in self.history):
+                    raise ValueError("its launches are not a list of records")
+            except (OSError, ValueError, KeyError, TypeError) as e:
+                self.history = []
+                moved = run_folder.move_aside(self.path) if chief else "*.corrupt.* by host 0"
+                log.warning("%s is damaged (%s): moved it to %s; goodput counts from this launch on (the earlier "
+                            "launches' figures are in the moved file and metrics.jsonl)", self.path,
+                            " ".join(str(e).split())[:120] or type(e).__name__, moved)
         self.launch = None
         self._first_call = None
 

@@ -12,6 +12,7 @@ import math
 import os
 import re
 
+import tensorflow as tf
 from tensorflow.experimental import dtensor
 
 from tfpod import UserError, runtime
@@ -154,3 +155,18 @@ def describe(mesh: dtensor.Mesh, global_batch: int, seq_len: int | None, batch_a
     if seq_len:
         text += f"; tokens per step {global_batch * seq_len}"
     return text
+
+
+def host_max(values: list[float], mesh: dtensor.Mesh | None = None) -> list[float]:
+    """The element-wise max of `values` over every host (a collective over every device of
+    `mesh`; default: one axis over all devices). float32: integers are exact below 2**24."""
+    mesh = mesh or make_mesh("hosts:-1")
+    rank = len(mesh.dim_names)
+    layout = dtensor.Layout(list(mesh.dim_names) + [dtensor.UNSHARDED], mesh)  # one row per device
+    local = [tf.constant([[float(v) for v in values]], shape=[1] * rank + [len(values)])] * len(mesh.local_devices())
+    return [float(v) for v in dtensor.unpack(_max_over_devices(dtensor.pack(local, layout)))[0].numpy()]
+
+
+@tf.function
+def _max_over_devices(x):
+    return tf.reduce_max(x, axis=list(range(x.shape.rank - 1)))

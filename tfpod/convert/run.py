@@ -124,7 +124,6 @@ def write_run(family, architecture: str, model_config, source_config: dict, arra
     api.check_writable(model_dir)
     extra = []
     if vocab:
-        shutil.copy(vocab, os.path.join(model_dir, "vocab.txt"))
         extra.append(f"bert_data.vocab_path = {os.path.abspath(os.path.join(model_dir, 'vocab.txt'))!r}")
     text = gin_text(family, model_config, source_config, extra)
     # gin resolves an include only from a file: the run defaults as one, the rest as bindings
@@ -132,10 +131,21 @@ def write_run(family, architecture: str, model_config, source_config: dict, arra
                         + list(gin_params))
     c = api.build_run_configs()
     train = dataclasses.replace(c.train, synthetic_data=True)  # nothing is read while converting
-    session = api.start(dataclasses.replace(c, train=train), api.RunOptions(mesh_spec=mesh_spec,
-                                                                             cpu_devices=cpu_devices))
-    run = api.controller(c.task, c.model, train, c.optimizer, session.placement, model_dir, c.data,
-                         c.sharding.pipeline_schedule)
+    with api.start(dataclasses.replace(c, train=train), api.RunOptions(mesh_spec=mesh_spec, cpu_devices=cpu_devices),
+                   model_dir, claim=True) as session:  # a folder a live run holds is refused
+        if vocab:
+            shutil.copy(vocab, os.path.join(model_dir, "vocab.txt"))
+        run = api.controller(c.task, c.model, train, c.optimizer, session.placement, model_dir, c.data,
+                             c.sharding.pipeline_schedule)
+        filled, fresh = _fill(run, arrays, family, architecture, source)
+        path = run.checkpoints.save()
+        checkpoint.write_atomically(os.path.join(model_dir, "config.gin"), text + "".join(f"{b}\n" for b in gin_params))
+    log.info("imported %d tensors of %s into %s (step 0)", len(filled), source, path)
+    return {"step": 0, "checkpoint": path, "tensors": len(filled), "fresh": fresh, "task": c.task.name}
+
+
+def _fill(run, arrays, family, architecture: str, source: str) -> tuple[set, list]:
+    """Assigns `arrays` to the run's weights in their layouts; (the names filled, those left fresh)."""
     variables = {w.name.split(":")[0]: compat.inner_variable(w) for w in run.trainer.model.weights}
     filled = set()
     for name, value, tensor in arrays:
@@ -153,10 +163,7 @@ def write_run(family, architecture: str, model_config, source_config: dict, arra
         raise UserError(f"{source}: {len(unexpected)} weight(s) of the model are not in it ({', '.join(unexpected[:3])})")
     if fresh:
         log.info("%s has no %s: initialized fresh", architecture, ", ".join(sorted({n.rsplit('/', 1)[0] for n in fresh})))
-    path = run.checkpoints.save()
-    checkpoint.write_atomically(os.path.join(model_dir, "config.gin"), text + "".join(f"{b}\n" for b in gin_params))
-    log.info("imported %d tensors of %s into %s (step 0)", len(filled), source, path)
-    return {"step": 0, "checkpoint": path, "tensors": len(filled), "fresh": fresh, "task": c.task.name}
+    return filled, fresh
 
 
 def _placed(value, variable):

@@ -17,11 +17,12 @@ reports the fastest that fits, and training with `--mesh=auto` (or
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
 
-from tfpod import UserError
+from tfpod import UserError, run_folder
 from tfpod.plan import devices
 from tfpod.plan.planner import Choice, Planner, summary
 from tfpod.plan.search import describe_best, search, top_table
@@ -39,13 +40,25 @@ def _write_json(path: str, record: dict) -> None:
     os.replace(tmp, path)
 
 
-def read_plan(model_dir: str) -> dict | None:
-    """model_dir/plan.json, or None."""
+def read_plan(model_dir: str, fix: str = "delete it to plan again") -> dict | None:
+    """model_dir/plan.json, or None.
+
+    Raises:
+      UserError: the file is damaged (not JSON, or a `trained_with` tfpod cannot read):
+        one line naming it, then `fix`.
+    """
     path = os.path.join(model_dir, PLAN_FILE)
-    if not os.path.isfile(path):
+    plan = run_folder.read_json(path, "a plan (with --mesh=auto, the layout the run trains with)", fix)
+    if plan is None:
         return None
-    with open(path) as f:
-        return json.load(f)
+    trained = plan.get("trained_with") if isinstance(plan, dict) else None
+    fields = {f.name for f in dataclasses.fields(Choice)}
+    if not isinstance(plan, dict) or (trained is not None and (not isinstance(trained, dict) or "mesh" not in trained
+                                                               or not set(trained) <= fields)):
+        raise UserError(f"{path} is damaged (not a plan tfpod wrote: its trained_with needs 'mesh' and at most "
+                        f"{', '.join(sorted(fields))}): it holds a plan (with --mesh=auto, the layout the run trains "
+                        f"with); {fix}")
+    return plan
 
 
 def plan_mode(configs, model_dir: str, mesh_spec: str, device_name: str | None, num_devices: int | None,
@@ -53,7 +66,7 @@ def plan_mode(configs, model_dir: str, mesh_spec: str, device_name: str | None, 
     """--mode=plan: the plan of `mesh_spec` ("auto": the fastest that fits, and the top
     five) on `num_devices` x `device_name`, printed and written to model_dir/plan.json.
     Nothing is allocated and no device is created."""
-    recorded = read_plan(model_dir)
+    recorded = read_plan(model_dir, "delete it to plan again, or plan into another --model_dir")
     if recorded and recorded.get("trained_with"):
         raise UserError(f"--mode=plan: {os.path.join(model_dir, PLAN_FILE)} holds the layout the run in {model_dir} "
                         "trains with (--mesh=auto); plan into another --model_dir")
@@ -100,7 +113,8 @@ def choose_for_run(configs, mesh_spec: str, info, model_dir: str) -> str:
     The choice is kept in model_dir/plan.json (`trained_with`), so a resumed run
     trains on with the same layout whatever the machine measures the next time.
     """
-    recorded = read_plan(model_dir) if model_dir else None
+    recorded = read_plan(model_dir, "restore it from a backup, or delete it and --mesh=auto plans again (the "
+                                    "checkpoints restore onto whatever layout it picks)") if model_dir else None
     planner = Planner(configs, running_device(info), info.num_global_devices)
     if recorded and recorded.get("trained_with"):
         choice = Choice(**recorded["trained_with"])
