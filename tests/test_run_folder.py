@@ -24,7 +24,7 @@ import pytest
 from conftest import ROOT, launch_command, main_command
 from test_multihost import SMALL, errors, losses, main_args
 
-from tfpod import UserError, api, checkpoint, run_folder
+from tfpod import UserError, api, checkpoint, config, run_folder
 
 PY = [sys.executable, "-c"]
 # A process that takes a folder and holds it until killed (no TensorFlow: quick).
@@ -204,6 +204,19 @@ def test_damaged_files_are_one_line_and_damaged_checkpoints_move_aside(tmp_path,
         f.write("model_checkpoint_path: \x00\x01 {{")
     with open(os.path.join(d, "goodput.json"), "w") as f:
         f.write('{"launches": [{"start": 1')
+    # A reader (an evaluation beside a live run on another machine) leaves them in place.
+    with open(os.path.join(d, "claim.json"), "w") as f:
+        json.dump(_holder(), f)
+    config.parse_config(["gin/lm_tiny.gin"], REAL + ["train.synthetic_data=True"])
+    c = api.build_run_configs()
+    session = api.start(c, api.RunOptions(mesh_spec="data:4,model:2"), d)
+    with caplog.at_level(logging.WARNING, logger="tfpod"):
+        assert api.controller(c.task, c.model, c.train, c.optimizer, session.placement, d).checkpoints \
+            .restore_latest() == 2
+    assert "ckpt-4 is damaged" in caplog.text and "left in place, as a live run holds this folder (job abcdef" \
+        in caplog.text
+    assert checkpoint.scan(ckpts) == ([2], [4]) and not glob.glob(os.path.join(ckpts, "checkpoint.*"))
+    os.remove(os.path.join(d, "claim.json"))
     caplog.clear()
     with caplog.at_level(logging.INFO, logger="tfpod"):
         out = api.run(["gin/lm_tiny.gin"], REAL + ["train.steps=6"], d, mesh_spec="data:4,model:2")

@@ -114,8 +114,10 @@ class CheckpointManager:
         self._step = step
         self._ckpt = tf.train.Checkpoint(**trackables)
         self._model = trackables.get("model")
-        self._manager = open_manager(self._ckpt, self.directory, keep, complete_steps(self.directory),
-                                     dtensor.client_id() == 0, step_counter=step)
+        # A reader beside a live run (an evaluation) leaves a damaged list to that run.
+        mender = dtensor.client_id() == 0 and run_folder.live_holder(model_dir) is None
+        self._manager = open_manager(self._ckpt, self.directory, keep, complete_steps(self.directory), mender,
+                                     step_counter=step)
         # Asynchronous saves (tfpod.checkpoint_writer): a checkpoint is recorded, and the
         # oldest deleted, once it is whole, so `keep` complete ones stay on disk meanwhile.
         self._writer = checkpoint_writer.BackgroundWriter(self._ckpt, dtensor.client_id(), dtensor.num_clients()) \
