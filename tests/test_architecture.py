@@ -88,3 +88,23 @@ def test_a_log_level_tfpod_set_is_not_taken_for_the_users_by_its_children():
     assert subprocess.run(probe, env=inherited, capture_output=True, text=True).stdout.strip() == "None"
     users = {**inherited, "TF_CPP_MIN_LOG_LEVEL": "1"}
     assert subprocess.run(probe, env=users, capture_output=True, text=True).stdout.strip() == "1"
+
+
+def test_the_cpu_line_says_which_kernel_path_runs():
+    """.ci/run prints it first: a CI log says whether oneDNN or Eigen kernels were checked."""
+    import os
+    import subprocess
+    import sys
+
+    from tfpod import runtime
+
+    avx512 = " avx512f " in open("/proc/cpuinfo").read()
+    line = runtime.describe_cpu()
+    on = avx512 and os.environ.get("TF_ENABLE_ONEDNN_OPTS") != "0"
+    assert line.startswith("cpu: ") and ("oneDNN on" if on else "oneDNN off") in line, line
+    assert ("AVX-512 yes" if avx512 else "AVX-512 no") in line and "TensorFlow 2.20" in line
+    if on:  # TF_ENABLE_ONEDNN_OPTS=0 gives the Eigen path, and the line says so
+        env = dict(os.environ, TF_ENABLE_ONEDNN_OPTS="0")
+        line = subprocess.run([sys.executable, "-c", "from tfpod import runtime; print(runtime.describe_cpu())"],
+                              capture_output=True, text=True, env=env, timeout=120).stdout.strip()
+        assert "oneDNN off (TF_ENABLE_ONEDNN_OPTS=0)" in line, line

@@ -417,6 +417,14 @@ def record_checkpoint(manager, path: str) -> None:
     manager._record_state()
 
 
+def onednn_enabled() -> bool:
+    """Whether TensorFlow runs its oneDNN CPU kernels (else Eigen's): on only with AVX-512-class
+    CPU features, and not with TF_ENABLE_ONEDNN_OPTS=0."""
+    from tensorflow.python.util import _pywrap_util_port
+
+    return bool(_pywrap_util_port.IsMklEnabled())
+
+
 def unary_dataset_base():
     """tf.data's base class of a dataset that wraps another with the same structure."""
     from tensorflow.python.data.ops import dataset_ops

@@ -251,6 +251,32 @@ def to_host(x) -> np.ndarray:
         return np.asarray(x)
 
 
+def describe_cpu() -> str:
+    """This machine's CPU and TensorFlow's kernel path, in one line: the CPU model, whether it
+    has AVX-512, whether oneDNN kernels are on (TensorFlow turns them on only with AVX-512-class
+    features; TF_ENABLE_ONEDNN_OPTS=0 turns them off), and TensorFlow's version. Rounding and
+    speed differ between the two paths, and some ops exist on one only."""
+    from tfpod import compat
+
+    model, flags = "unknown CPU", set()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key.strip() == "model name" and model == "unknown CPU":
+                    model = " ".join(value.split())
+                elif key.strip() == "flags" and not flags:
+                    flags = set(value.split())
+    except OSError:
+        import platform
+
+        model = platform.processor() or model
+    avx512 = "yes" if "avx512f" in flags else ("no" if flags else "unknown")
+    onednn = "on" if compat.onednn_enabled() else "off"
+    return (f"cpu: {model}, {os.cpu_count()} core(s); AVX-512 {avx512}; oneDNN {onednn} "
+            f"(TF_ENABLE_ONEDNN_OPTS={os.environ.get('TF_ENABLE_ONEDNN_OPTS', 'unset')}); TensorFlow {tf.__version__}")
+
+
 def info() -> RuntimeInfo:
     """The RuntimeInfo of the started system; starts a default one if none runs."""
     return _INFO if _INFO is not None else initialize()
