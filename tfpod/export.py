@@ -34,7 +34,7 @@ import tempfile
 import tensorflow as tf
 
 from tfpod import UserError
-from tfpod.checkpoint import complete_steps, read_weights
+from tfpod.checkpoint import read_weights, scan
 
 log = logging.getLogger("tfpod")
 
@@ -46,7 +46,12 @@ def checkpoint_path(model_dir: str, checkpoint: str | None = None) -> str:
             raise UserError(f"--checkpoint={checkpoint}: no such checkpoint (expected {checkpoint}.index)")
         return checkpoint
     directory = os.path.join(model_dir, "checkpoints")
-    steps = complete_steps(directory)
+    steps, damaged = scan(directory)
+    newer = [s for s in damaged if s > max(steps, default=-1)]
+    if newer:
+        log.warning("checkpoint %s is damaged (its data shards are missing or come from different writes): not "
+                    "exported; a training rerun in %s moves it aside", os.path.join(directory, f"ckpt-{newer[-1]}"),
+                    model_dir)
     if not steps:
         raise UserError(f"--mode=export: no complete checkpoint in {directory}: train there first, "
                         "or pass --model_dir of a trained run")

@@ -252,6 +252,9 @@ def take(model_dir: str, client_id: int = 0, num_clients: int = 1,
             _take(model_dir, holder)
         except UserError as e:
             problem = e
+        except OSError as e:  # told to every host below, so none waits for the others
+            problem = UserError(f"--model_dir={model_dir}: its claim ({FILE}) cannot be written ({e.strerror or e}): "
+                                "pass a folder this process may write")
     if num_clients > 1 and agree is not None:
         refused, shared = agree([1.0 if problem else 0.0, float(job) if client_id == 0 else 0.0])
         if refused and problem is None:
