@@ -65,33 +65,96 @@ def test_attention_equals_autodiff_of_the_softmax_form(dtype, tol, causal):
         np.testing.assert_allclose(g, w, rtol=tol, atol=tol)
 
 
-@pytest.mark.parametrize("dtype,tol", [(tf.float32, 1e-6), (tf.bfloat16, 2e-3)])
-def test_output_layer_loss_equals_the_logits_loss_with_its_gradient(dtype, tol):
-    """gpt.output_layer_loss (softmax once, one-hot terms as gathers) against
-    loss_from_logits(x @ table^T): loss, loss_sum and the gradients of x and the table."""
+# Machine epsilon: one rounding to the type (to nearest, or truncated as TensorFlow's Eigen
+# bfloat16 MatMul does) changes a value by less than eps x |value|; U32 is float32's unit roundoff.
+EPS = {tf.float32: 2.0 ** -23, tf.bfloat16: 2.0 ** -7}
+U32 = 2.0 ** -24
+
+
+def _cross_entropy_float64(logits, x, table, targets, weights):
+    """The mean weighted cross entropy of given logits [tokens, vocab] in float64 and its
+    gradients of x [tokens, embed] and table [vocab, embed] through logits = x @ table^T,
+    each with the bound of its float32 / `dtype` rounding error (the error model below)
+    as a function of (eps, U32): [(value, bound function)] for loss, loss_sum, weight_sum,
+    d x, d table."""
+    tokens, vocab = logits.shape
+    top = logits.max(-1, keepdims=True)
+    probs = np.exp(logits - top)
+    probs /= probs.sum(-1, keepdims=True)
+    log_z = top[:, 0] + np.log(np.exp(logits - top).sum(-1))  # [tokens]
+    at_target = logits[np.arange(tokens), targets]
+    token_loss = log_z - at_target
+    weight_sum = weights.sum()
+    loss_sum = (weights * token_loss).sum()
+    scale = (weights / weight_sum)[:, None]  # [tokens, 1]: d loss / d token loss
+    one_hot = np.eye(vocab)[targets]
+    d_logits, d_logits_abs = (probs - one_hot) * scale, (probs + one_hot) * scale
+
+    def loss_sum_bound(eps, u):
+        per_token = (vocab + 8) * u + 2 * u * (np.abs(log_z) + np.abs(at_target))
+        return (weights * per_token).sum() + tokens * u * (weights * np.abs(token_loss)).sum()
+
+    grad_bound = lambda eps, u: 4 * eps + 2 * (vocab + tokens) * u
+    return [(loss_sum / weight_sum, lambda eps, u: loss_sum_bound(eps, u) / weight_sum + u * loss_sum / weight_sum),
+            (loss_sum, loss_sum_bound),
+            (weight_sum, lambda eps, u: 0.0),  # a sum of zeros and ones: exact
+            (d_logits @ table, lambda eps, u: grad_bound(eps, u) * d_logits_abs @ np.abs(table)),
+            (d_logits.T @ x, lambda eps, u: grad_bound(eps, u) * d_logits_abs.T @ np.abs(x))]
+
+
+@pytest.mark.parametrize("dtype", [tf.float32, tf.bfloat16])
+def test_output_layer_loss_equals_the_logits_loss_with_its_gradient(dtype):
+    """gpt.output_layer_loss (softmax once, one-hot terms as gathers) and the model's other
+    path, loss_from_logits(GPT.output_logits(x)) by autodiff, each against float64:
+    loss, loss_sum, weight_sum and the gradients of x and the table.
+
+    Error model. Both forms compute the logits L = x @ table^T with one MatMul in `dtype` on
+    the same inputs, so the same numbers; the reference is the float64 loss of those L.
+    L's own rounding (float32 accumulation, one rounding to `dtype`: within eps |L| +
+    embed U32 |x| |table| of exact, asserted) is common to both forms and to the model,
+    not where they may differ. (Eigen's bfloat16 MatMul truncates: its logits lean toward
+    zero, and this batch's loss is 15.8369 where float64 of the rounded inputs gives
+    15.8752 and oneDNN's logits, rounded to nearest, 15.8726.) After L:
+    - each token's loss is float32: exponentials (a few ulp each), a sum of vocab terms
+      at most 1 with a total at least 1, a log, a subtraction: within (vocab + 8) U32 +
+      2 U32 (|log_z| + |L_target|); the weighted sum over tokens adds tokens U32
+      sum_t w_t |loss_t|; the mean one rounding more;
+    - each gradient entry sums (probs - one_hot) * w / W times table rows (d x) or token
+      rows (d table): probs float32 (relative (vocab + 2) U32), then at most 4 roundings
+      in `dtype` (probs or d logits cast, the matmul's output, the scaling and the
+      one-hot term's product and sum) and float32 accumulation over at most vocab +
+      tokens terms: within (4 eps + 2 (vocab + tokens) U32) times the same sum over
+      absolute values, sum_j (probs + one_hot) w / W |row_j|.
+    """
     rng = np.random.default_rng(0)
     b, l, e, vocab = 2, 16, 32, 100
     x = tf.constant(rng.normal(size=(b, l, e)), tf.float32)
     table = tf.constant(rng.normal(size=(vocab, e)), tf.float32)
     batch = {"targets": tf.constant(rng.integers(0, vocab, size=(b, l)), tf.int32),
              "weights": tf.constant((rng.random((b, l)) > 0.3).astype(np.float32))}
+    logits_of = lambda x, table: tf.matmul(tf.reshape(x, [-1, e]), table, transpose_b=True)  # as GPT.output_logits
 
     def fused_form(x, table):
         return gpt.output_layer_loss(tf.cast(x, dtype), tf.cast(table, dtype), batch)
 
     def logits_form(x, table):
-        logits = tf.einsum("ble,ve->blv", tf.cast(x, dtype), tf.cast(table, dtype))
+        logits = tf.reshape(logits_of(tf.cast(x, dtype), tf.cast(table, dtype)), [b, l, vocab])
         return gpt.loss_from_logits(tf.cast(logits, tf.float32), batch)
 
-    results = []
+    as64 = lambda t: tf.cast(t, tf.float64).numpy()
+    x_in, table_in = as64(tf.cast(x, dtype)).reshape(-1, e), as64(tf.cast(table, dtype))  # the rounded inputs
+    logits, exact = as64(logits_of(tf.cast(x, dtype), tf.cast(table, dtype))), x_in @ table_in.T
+    assert (np.abs(logits - exact) <= EPS[dtype] * np.abs(exact) + e * U32 * np.abs(x_in) @ np.abs(table_in).T).all()
+    reference = _cross_entropy_float64(logits, x_in, table_in, batch["targets"].numpy().reshape(-1),
+                                       batch["weights"].numpy().reshape(-1).astype(np.float64))
     for form in (fused_form, logits_form):
         with tf.GradientTape() as tape:
             tape.watch([x, table])
             loss, metrics = form(x, table)
-        results.append([loss.numpy(), metrics["loss_sum"].numpy(), metrics["weight_sum"].numpy()]
-                       + [g.numpy() for g in tape.gradient(loss, [x, table])])
-    for got, want in zip(*results):
-        np.testing.assert_allclose(got, want, rtol=tol, atol=tol)
+        got = [loss, metrics["loss_sum"], metrics["weight_sum"]] + tape.gradient(loss, [x, table])
+        for name, g, (want, bound) in zip(["loss", "loss_sum", "weight_sum", "d x", "d table"], got, reference):
+            error = np.abs(g.numpy().astype(np.float64).reshape(np.shape(want)) - want)
+            assert (error <= bound(EPS[dtype], U32)).all(), (form.__name__, name, error.max())
 
 
 @pytest.mark.parametrize("precision,tol", [("float32", 2e-5), ("mixed_bfloat16", 3e-2)])

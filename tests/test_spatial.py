@@ -26,6 +26,19 @@ def _value_and_grads(fn, x, k):
     return [y, *tape.gradient(total, [x, k])]
 
 
+def _dilated_by_hand(k, dilation):
+    """k [kh, kw, c, f] with dilation - 1 zero rows and columns between its taps, by a
+    product with 0/1 placement matrices: tf.nn.conv2d with it is the dilated convolution
+    on every CPU kernel path (TensorFlow's Eigen kernels, without oneDNN, have no gradient
+    of tf.nn.conv2d with dilations > 1)."""
+    place = lambda n: np.eye(n * dilation)[:: dilation][:, : (n - 1) * dilation + 1].T.astype(np.float32)
+    return tf.einsum("ai,bj,ijcf->abcf", place(k.shape[0]), place(k.shape[1]), k)
+
+
+def _conv2d_reference(stride, padding, dilation):
+    return lambda x, k: tf.nn.conv2d(x, _dilated_by_hand(k, dilation), stride, padding)
+
+
 def _split_and_plain(op, plain, x, k):
     """(split results as numpy, the output's layout, plain results) of op vs plain on data:2,model:4."""
     mesh = make_mesh("data:2,model:4")
@@ -52,16 +65,54 @@ def _split_and_plain(op, plain, x, k):
     (1, 1, "VALID", 1, True),
     (3, 1, "VALID", 1, False),  # 14 output rows of 16 do not split into 4 equal blocks: whole rows
     (3, 2, "VALID", 1, False),
+    (3, 1, "VALID", 2, False),  # dilated, whole rows: 12 output rows
 ])
 def test_convolution_with_split_rows_equals_conv2d(size, stride, padding, dilation, rows_split):
+    """Dilated kernels run with their gradients on either CPU kernel path (oneDNN, or Eigen
+    with TF_ENABLE_ONEDNN_OPTS=0 or without AVX-512); the reference dilates by hand."""
     x = tf.random.stateless_normal([4, 16, 12, 3], seed=[1, 2])
     k = tf.random.stateless_normal([size, size, 3, 5], seed=[3, 4])
     got, layout, want = _split_and_plain(
         lambda x, k: spatial.conv2d(x, k, (stride, stride), padding, (dilation, dilation)),
-        lambda x, k: tf.nn.conv2d(x, k, stride, padding, dilations=dilation), x, k)
+        _conv2d_reference(stride, padding, dilation), x, k)
     assert layout[:2] == (["data", "model"] if rows_split else ["data", dtensor.UNSHARDED])
     for g, w in zip(got, want):  # output, input gradient, filter gradient
         np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-4)
+
+
+def _dilated_conv2d_float64(x, k, w, pad):
+    """The 3x3 convolution with dilation 2 of x [b, h, w, c] padded by `pad` with k, and the
+    gradients of sum(output * w) by x and k: float64 sums over the taps."""
+    xp = np.pad(x, [[0, 0], [pad, pad], [pad, pad], [0, 0]])
+    oh, ow = xp.shape[1] - 4, xp.shape[2] - 4
+    window = lambda i, j: (slice(None), slice(2 * i, 2 * i + oh), slice(2 * j, 2 * j + ow))  # tap (i, j)'s inputs
+    y = sum(np.einsum("bhwc,cf->bhwf", xp[window(i, j)], k[i, j]) for i in range(3) for j in range(3))
+    dxp = np.zeros_like(xp)
+    for i in range(3):
+        for j in range(3):
+            dxp[window(i, j)] += np.einsum("bhwf,cf->bhwc", w, k[i, j])
+    dk = np.stack([np.stack([np.einsum("bhwc,bhwf->cf", xp[window(i, j)], w) for j in range(3)]) for i in range(3)])
+    return y, dxp[:, pad: pad + x.shape[1], pad: pad + x.shape[2]], dk
+
+
+@pytest.mark.parametrize("padding", ["SAME", "VALID"])
+def test_dilated_convolution_without_split_rows_equals_float64(padding):
+    """Outside a row-splitting sharding spatial.conv2d is a plain convolution, a dilated one
+    too, with its gradients, on either CPU kernel path: against float64 NumPy sums over the
+    taps. Error model: float32 sums of n products (n = 27 for the output, 36 for the input
+    gradient, 144 for the filter's) are within (n + 2) U32 times the same sums of absolute
+    values (U32 = 2^-24, float32's unit roundoff)."""
+    x = tf.random.stateless_normal([2, 9, 8, 3], seed=[1, 2])
+    k = tf.random.stateless_normal([3, 3, 3, 4], seed=[3, 4])
+    got = _value_and_grads(lambda x, k: spatial.conv2d(x, k, (1, 1), padding, (2, 2)), x, k)
+    w = tf.random.stateless_normal(got[0].shape, seed=[7, 7]).numpy()  # as _value_and_grads weighs the output
+    pad = 2 if padding == "SAME" else 0
+    as64 = lambda t: np.asarray(t, np.float64)
+    want = _dilated_conv2d_float64(as64(x), as64(k), as64(w), pad)
+    magnitude = _dilated_conv2d_float64(np.abs(as64(x)), np.abs(as64(k)), np.abs(as64(w)), pad)
+    for g, want, magnitude, n in zip(got, want, magnitude, [27, 36, 144]):
+        assert g.shape == want.shape
+        assert (np.abs(g.numpy() - want) <= (n + 2) * 2.0 ** -24 * magnitude).all()
 
 
 @pytest.mark.parametrize("size,stride", [(3, 2), (2, 2), (3, 1)])

@@ -134,7 +134,7 @@ def _attention(q: tf.Tensor, k: tf.Tensor, v: tf.Tensor, bias: tf.Tensor) -> tf.
 def batch_norm(x: tf.Tensor, gamma: tf.Tensor, beta: tf.Tensor, epsilon: float):
     """Training-mode batch normalization over every axis but the last, with its own gradient.
 
-    The math of Keras's unfused BatchNormalization (float32 whatever x's dtype; the
+    The math of Keras's unfused BatchNormalization (in float32, float64 for float64 x; the
     biased batch variance): y = (x - mean) * gamma / sqrt(variance + epsilon) + beta.
     TensorFlow's fused kernel (FusedBatchNormV3) has no DTensor layout propagation, and
     autodiff of the unfused form takes about twice the passes over x of this backward:
@@ -147,20 +147,21 @@ def batch_norm(x: tf.Tensor, gamma: tf.Tensor, beta: tf.Tensor, epsilon: float):
 
     Args:
       x: [..., channels] (any float dtype).
-      gamma, beta: [channels] float32.
+      gamma, beta: [channels] float32 (float64 for float64 x).
       epsilon: added to the variance.
 
     Returns:
-      (y in x's dtype, mean, variance [channels] float32). The statistics are for the
-      moving averages: no gradient flows back through them.
+      (y in x's dtype, mean, variance [channels] in the statistics' dtype). The statistics
+      are for the moving averages: no gradient flows back through them.
     """
     axes = list(range(len(x.shape) - 1))
+    stats = tf.float64 if x.dtype == tf.float64 else tf.float32
 
     @tf.autograph.experimental.do_not_convert
     @tf.custom_gradient
     def core(x, gamma, beta):
         with scope():
-            xf = tf.cast(x, tf.float32)
+            xf = tf.cast(x, stats)
             mean = tf.reduce_mean(xf, axes)
             variance = tf.reduce_mean(tf.math.squared_difference(xf, mean), axes)
             inv = tf.math.rsqrt(variance + epsilon)
@@ -169,8 +170,8 @@ def batch_norm(x: tf.Tensor, gamma: tf.Tensor, beta: tf.Tensor, epsilon: float):
 
         def grad(dy, *_):  # the statistics' gradients: none (they only feed the moving averages)
             with scope():
-                dyf = tf.cast(dy, tf.float32)
-                n = tf.cast(tf.size(dyf) // tf.shape(dyf)[-1], tf.float32)
+                dyf = tf.cast(dy, stats)
+                n = tf.cast(tf.size(dyf) // tf.shape(dyf)[-1], stats)
                 sum_dy = tf.reduce_sum(dyf, axes)
                 sum_dy_xc = tf.reduce_sum(dyf * xf, axes) - mean * sum_dy  # sum(dy * (x - mean))
                 c1 = -a * inv * inv * sum_dy_xc / n
@@ -227,8 +228,12 @@ def conv_geometry(size: int, kernel: int, stride: int, dilation: int, padding: s
     return out, total // 2, size + total
 
 
-def _dilate(kernel: tf.Tensor, dh: int, dw: int) -> tf.Tensor:
-    """[kh, kw, c, m] -> [(kh-1)*dh+1, (kw-1)*dw+1, c, m] with zeros between the taps."""
+def dilate(kernel: tf.Tensor, dh: int, dw: int) -> tf.Tensor:
+    """[kh, kw, c, m] -> [(kh-1)*dh+1, (kw-1)*dw+1, c, m] with zeros between the taps.
+
+    An undilated convolution with it makes the dilated one's products (and adds zeros):
+    what runs on every CPU kernel path, where TensorFlow's Eigen kernels (no oneDNN)
+    have no gradient of tf.nn.conv2d with dilations > 1."""
     if dh == dw == 1:
         return kernel
     kh, kw, c, m = kernel.shape
@@ -266,7 +271,7 @@ def depthwise_conv2d(x: tf.Tensor, kernel: tf.Tensor, strides=(1, 1), padding: s
 
     @tf.custom_gradient
     def core(x, kernel):
-        y = tf.nn.depthwise_conv2d(x, _dilate(kernel, dh, dw), [1, sh, sw, 1], padding)
+        y = tf.nn.depthwise_conv2d(x, dilate(kernel, dh, dw), [1, sh, sw, 1], padding)
 
         def grad(dy):  # dy [batch, oh, ow, c * m]
             # Input: the output gradient placed at its stride positions (zeros between),
@@ -275,7 +280,7 @@ def depthwise_conv2d(x: tf.Tensor, kernel: tf.Tensor, strides=(1, 1), padding: s
             up = tf.reshape(up, [-1, oh * sh, ow * sw, c * m])[:, : (oh - 1) * sh + 1, : (ow - 1) * sw + 1]
             eh, ew = (kh - 1) * dh, (kw - 1) * dw
             full = tf.pad(up, [[0, 0], [eh, np_h - (oh - 1) * sh - 1], [ew, np_w - (ow - 1) * sw - 1], [0, 0]])
-            flipped = tf.reshape(_dilate(kernel[::-1, ::-1], dh, dw), [eh + 1, ew + 1, c * m, 1])
+            flipped = tf.reshape(dilate(kernel[::-1, ::-1], dh, dw), [eh + 1, ew + 1, c * m, 1])
             dx = tf.nn.depthwise_conv2d(full, flipped, [1, 1, 1, 1], "VALID")  # [batch, np_h, np_w, c * m]
             dx = tf.reduce_sum(tf.reshape(dx, [-1, np_h, np_w, c, m]), -1)[:, pb_h: pb_h + n_h, pb_w: pb_w + n_w]
             # Filter: tap (i, j) sees the padded input at rows i*dh + k*sh, columns j*dw + l*sw.

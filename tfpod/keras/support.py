@@ -12,7 +12,10 @@ first step, where `translate` turns DTensor's error into one line naming the op.
 `UNSUPPORTED` holds what probes found here (TF 2.20, tf_keras 2.20): Keras's
 recurrent layers without `unroll=True` (a while loop over TensorLists), tf.reverse,
 and kernels tfpod swaps out of Keras's own layers but that a custom layer may call
-directly.
+directly. `EIGEN_UNDILATED` holds convolution kernels that TensorFlow runs dilated on a
+CPU only with oneDNN (on by default only where the CPU has AVX-512): without it
+(`TF_ENABLE_ONEDNN_OPTS=0`, or an AVX2 CPU) their Eigen kernels stop the first step
+("do not yet support dilation rates larger than 1"), so they are found here too.
 """
 
 from __future__ import annotations
@@ -47,7 +50,23 @@ UNSUPPORTED: dict[str, str] = {
                                   "FusedBatchNormGradV2", "FusedBatchNormGradV3")},
 }
 
+# Kernels whose CPU implementation without oneDNN (Eigen) refuses dilations > 1.
+EIGEN_UNDILATED = ("Conv2DBackpropInput", "Conv2DBackpropFilter", "Conv3D", "Conv3DBackpropInputV2",
+                   "Conv3DBackpropFilterV2")
+_DILATED = ("tf.nn.conv2d's gradient, tf.nn.conv2d_transpose or tf.nn.conv3d with dilations > 1, which TensorFlow's "
+            "CPU kernels run only with oneDNN (off: TF_ENABLE_ONEDNN_OPTS=0, or a CPU without AVX-512): convolve "
+            "with the kernel dilated by zeros instead (tf.nn.conv2d(x, tfpod.fused.dilate(kernel, dh, dw), ...))")
+
 _FUNCTION_CALLS = ("f", "body", "cond", "then_branch", "else_branch", "branches")
+
+
+def _eigen_cpu() -> bool:
+    """Whether ops run on TensorFlow's Eigen CPU kernels: no oneDNN and no accelerator."""
+    return not compat.onednn_enabled() and not any(tf.config.list_logical_devices(kind) for kind in ("GPU", "TPU"))
+
+
+def _dilated(node) -> bool:
+    return any(d > 1 for d in node.attr["dilations"].list.i)
 
 
 _INPUT_SPECS = weakref.WeakKeyDictionary()  # subclassed model -> the spec of its first call
@@ -83,9 +102,10 @@ def _trace(model, spec) -> tf.Graph:
     return tf.function(step, autograph=False).get_concrete_function(spec).graph
 
 
-def unsupported_ops(graph: tf.Graph) -> list[tuple[str, str]]:
+def unsupported_ops(graph: tf.Graph, eigen: bool = False) -> list[tuple[str, str]]:
     """(op type, op name in the outer graph) of every op in `graph` (and the functions it
-    calls, under the name of the op that calls them) that is in UNSUPPORTED."""
+    calls, under the name of the op that calls them) that is in UNSUPPORTED, or, with
+    `eigen` (the ops run on Eigen CPU kernels), in EIGEN_UNDILATED with dilations > 1."""
     graph_def = graph.as_graph_def()
     library = {f.signature.name: f for f in graph_def.library.function}
     found, seen = [], set()
@@ -93,7 +113,7 @@ def unsupported_ops(graph: tf.Graph) -> list[tuple[str, str]]:
     def visit(nodes, outer_name):
         for node in nodes:
             name = outer_name or node.name
-            if node.op in UNSUPPORTED:
+            if node.op in UNSUPPORTED or (eigen and node.op in EIGEN_UNDILATED and _dilated(node)):
                 found.append((node.op, name))
             for key, attr in node.attr.items():
                 if key not in _FUNCTION_CALLS:
@@ -126,7 +146,7 @@ def check(model) -> None:
     spec = input_spec(model)
     if spec is None:
         return
-    found = unsupported_ops(_trace(model, spec))
+    found = unsupported_ops(_trace(model, spec), eigen=_eigen_cpu())
     if not found:
         return
     located = [(op, _layer_of(model, name), name) for op, name in found]
@@ -134,6 +154,8 @@ def check(model) -> None:
     where = f"layer {layer.name!r} ({type(layer).__name__})" if layer is not None else f"op {name!r}"
     others = sorted({other.name for _, other, _ in located if other is not None and other is not layer})
     more = f" (so do {', '.join(others[:3])}{' and more' if len(others) > 3 else ''})" if others else ""
+    if op in EIGEN_UNDILATED:
+        raise UserError(f"model {model.name!r}: {where} uses the op {op} dilated{more}: {_DILATED}")
     raise UserError(f"model {model.name!r}: {where} uses the op {op}, which DTensor cannot lay out{more}: "
                     f"{UNSUPPORTED[op]}")
 

@@ -51,7 +51,7 @@ import tf_keras
 from tensorflow.experimental import dtensor
 
 from tfpod import compat
-from tfpod.fused import conv_geometry
+from tfpod.fused import conv_geometry, dilate
 from tfpod.partitioning.activations import active_context, shard
 
 log = logging.getLogger("tfpod")
@@ -190,6 +190,13 @@ def _taps(blocks: tf.Tensor, kernel: tuple[int, int], strides: tuple[int, int], 
             for i in range(kh) for j in range(kw)]
 
 
+def _plain_conv2d(x: tf.Tensor, kernel: tf.Tensor, strides, padding: str, dilations) -> tf.Tensor:
+    """tf.nn.conv2d, a dilated kernel given as an undilated one with zeros between its taps
+    (TensorFlow's CPU kernels without oneDNN have no gradient of a dilated tf.nn.conv2d)."""
+    dh, dw = dilations
+    return tf.nn.conv2d(x, dilate(kernel, dh, dw), strides, padding)
+
+
 def conv2d(x: tf.Tensor, kernel: tf.Tensor, strides=(1, 1), padding: str = "SAME", dilations=(1, 1)) -> tf.Tensor:
     """`tf.nn.conv2d` (NHWC) with x's rows split over the enclosing sharding's `height` axis.
 
@@ -202,16 +209,20 @@ def conv2d(x: tf.Tensor, kernel: tf.Tensor, strides=(1, 1), padding: str = "SAME
     Returns:
       [batch, out_height, out_width, filters]: rows split when the layer keeps them
       split (`plan`), else the batch split only. Outside a row-splitting sharding, tf.nn.conv2d.
+
+    Dilated kernels run, with their gradients, on every CPU kernel path (oneDNN or Eigen):
+    split rows take strided slices per tap; whole rows and unsplit calls convolve with
+    the kernel dilated by zeros (`fused.dilate`), not tf.nn.conv2d's dilations.
     """
     split = row_split()
     padding = padding.upper()
     if split is None:
-        return tf.nn.conv2d(x, kernel, strides, padding, dilations=dilations)
+        return _plain_conv2d(x, kernel, strides, padding, dilations)
     mesh, axis, batch = split
     (kh, kw, _, filters), (sh, sw), (dh, dw) = kernel.shape, tuple(strides), tuple(dilations)
     rows = plan(x.shape[1], kh, sh, dh, padding, mesh.dim_size(axis))
     if not rows.split:
-        return tf.nn.conv2d(_whole_rows(x, rows, split, "convolution"), kernel, strides, padding, dilations=dilations)
+        return _plain_conv2d(_whole_rows(x, rows, split, "convolution"), kernel, strides, padding, dilations)
     blocks = _with_halos(x, rows, split, 0.0)
     width = conv_geometry(x.shape[2], kw, sw, dw, padding)
     taps = _taps(blocks, (kh, kw), (sh, sw), (dh, dw), rows.out_rows // rows.blocks, width, 0.0)
