@@ -84,6 +84,8 @@ def test_kill9_then_sigterm_then_relaunch_equals_an_uninterrupted_run(tmp_path, 
     _, err = second.communicate(timeout=120)
     assert second.returncode == 0, err[-3000:]
     assert "SIGTERM received: finishing this step" in err and "preempted: saved" in err, err[-3000:]
+    assert f"claimed by a run that is gone (job" in err and f"(process {first.pid} on machine" in err \
+        and "its process is gone): taking it over" in err  # the killed run's claim of the folder
     preempted_at = int(err.split("preempted: saved ")[1].split(" at step ")[1].split(";")[0])
     assert killed_at < preempted_at < 12 and os.path.exists(d / "checkpoints" / f"ckpt-{preempted_at}.index")
     assert os.path.exists(d / "checkpoints" / "input-host0" / f"ckpt-{preempted_at}.index")

@@ -169,7 +169,7 @@ def test_two_runs_at_once_on_two_hosts_and_a_killed_holder_resumes(tmp_path):
     _assert_one_refused_one_whole(procs, outs, d, reference["losses"])
 
     # Host 0 of a running job killed: its claim stays; the relaunch takes it over and goes on.
-    long = launch_command(2, 4, *main_args(d, 8, synthetic))
+    long = launch_command(2, 4, *main_args(d, 12, synthetic))
     proc = subprocess.Popen(long, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.time() + 300
     while time.time() < deadline and not os.path.exists(d / "checkpoints" / "ckpt-6.index"):
@@ -178,11 +178,18 @@ def test_two_runs_at_once_on_two_hosts_and_a_killed_holder_resumes(tmp_path):
     os.kill(claim["pid"], signal.SIGKILL)
     proc.communicate(timeout=120)
     assert proc.returncode != 0 and os.path.exists(d / "claim.json")
+    # ... and its newest checkpoint damaged (a shard of another write beside its own): moved aside on 2 hosts too.
+    newest = checkpoint.scan(str(d / "checkpoints"))[0][-1]
+    shards = glob.glob(str(d / "checkpoints" / f"ckpt-{newest}.data-*"))
+    with open(d / "checkpoints" / f"ckpt-{newest}.data-00000-of-{len(shards) + 1:05d}", "wb") as f:
+        f.write(open(shards[0], "rb").read())
     rerun = subprocess.run(long, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert rerun.returncode == 0, errors(rerun)
-    assert "was claimed by a run that is gone" in rerun.stdout + rerun.stderr
-    assert f"process {claim['pid']}" in rerun.stdout + rerun.stderr
-    assert checkpoint.scan(str(d / "checkpoints"))[0][-1] == 8
+    out = rerun.stdout + rerun.stderr
+    assert "was claimed by a run that is gone" in out and f"process {claim['pid']}" in out
+    assert f"ckpt-{newest} is damaged" in out and os.path.exists(d / "checkpoints" / f"ckpt-{newest}.corrupt.0.index")
+    assert f"resumed from {d}/checkpoints/ckpt-{newest - 2} at step {newest - 2}" in out
+    assert checkpoint.scan(str(d / "checkpoints")) == ([8, 10, 12], [])
 
 
 # -- damaged files --------------------------------------------------------------------------
