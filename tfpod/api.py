@@ -239,11 +239,12 @@ def export(c: RunConfigs, model_dir: str, options: RunOptions) -> dict:
 def plan(c: RunConfigs, model_dir: str, options: RunOptions) -> dict:
     """--mode=plan: per-device memory, fit and step time on --plan_num_devices x --plan_device,
     before anything is allocated (no device is created); model_dir/plan.json (tfpod.plan)."""
-    from tfpod import plan as planner
+    from tfpod import plan as planner, run_folder
 
     check_writable(model_dir)
-    return planner.plan_mode(c, model_dir, options.mesh_spec or c.experiment.mesh, options.plan_device,
-                             options.plan_num_devices, options.plan_devices_per_host)
+    with run_folder.take(model_dir):  # plan.json is not written beside a live run
+        return planner.plan_mode(c, model_dir, options.mesh_spec or c.experiment.mesh, options.plan_device,
+                                 options.plan_num_devices, options.plan_devices_per_host)
 
 
 MODES: dict[str, Callable[[RunConfigs, str, RunOptions], dict]] = {
