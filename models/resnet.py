@@ -32,13 +32,19 @@ import dataclasses
 import numpy as np
 import tensorflow as tf
 import tf_keras
-from official.vision.modeling.backbones import resnet as mg_resnet
-
 from tfpod import UserError, evaluation, fused
 from tfpod.input import images as images_lib
 from tfpod.partitioning import AxisRule, shard, spatial
 from tfpod.models import plan_profiles
 from tfpod.task import Task
+
+
+def _mg_resnet():
+    """Model Garden's ResNet module, imported on first use: `official.vision` costs most of a
+    second in every process that imports this module (the registry imports every model)."""
+    from official.vision.modeling.backbones import resnet
+
+    return resnet
 
 
 @dataclasses.dataclass
@@ -65,6 +71,7 @@ class ResNetConfig:
     init_stddev: float = 0.01
 
     def __post_init__(self):
+        mg_resnet = _mg_resnet()
         if self.depth not in mg_resnet.RESNET_SPECS:
             raise UserError(f"resnet.depth={self.depth} is not a Model Garden ResNet: use one of "
                             f"{', '.join(str(d) for d in sorted(mg_resnet.RESNET_SPECS))}")
@@ -98,7 +105,7 @@ class ResNetClassifier(tf_keras.Model):
     def __init__(self, config: ResNetConfig, name: str = "resnet"):
         super().__init__(name=name)
         self.config = config
-        self.backbone = mg_resnet.ResNet(
+        self.backbone = _mg_resnet().ResNet(
             model_id=config.depth,
             input_specs=tf_keras.layers.InputSpec(shape=[None, config.image_size, config.image_size, 3]),
             depth_multiplier=config.depth_multiplier,
@@ -212,7 +219,7 @@ def forward_macs(config: ResNetConfig) -> float:
     macs = 7 * 7 * 3 * stem * size * size
     size //= 2  # max pool
     channels = stem
-    for i, (block, filters, repeats) in enumerate(mg_resnet.RESNET_SPECS[config.depth]):
+    for i, (block, filters, repeats) in enumerate(_mg_resnet().RESNET_SPECS[config.depth]):
         f = int(filters * dm)
         for r in range(repeats):
             stride = 2 if (i > 0 and r == 0) else 1

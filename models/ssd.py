@@ -59,7 +59,6 @@ import math
 import numpy as np
 import tensorflow as tf
 import tf_keras
-from official.vision.modeling.layers import nn_blocks
 
 from tfpod import UserError, evaluation, fused
 from tfpod.input import boxes as boxes_lib
@@ -68,6 +67,15 @@ from tfpod.models import ssd_eval
 from tfpod.partitioning import AxisRule, shard, spatial
 from tfpod.models import plan_profiles
 from tfpod.task import EvalContext, Task
+
+
+def _nn_blocks():
+    """Model Garden's vision blocks, imported on first use (`official.vision` costs most of a
+    second in every process that imports the model registry)."""
+    from official.vision.modeling.layers import nn_blocks as blocks
+
+    return blocks
+
 
 BACKBONE_FILTERS = (64, 128, 256)  # conv2_x, conv3_x, conv4_x (ResNet-34)
 BACKBONE_STRIDES = (1, 2, 1)  # conv4_x at stride 1: the reference's 38x38 map at 300x300
@@ -225,7 +233,7 @@ class SSD(tf_keras.Model):
             width = c.width(filters)
             for r in range(repeats):
                 s = stride if r == 0 else 1
-                self.blocks.append(nn_blocks.ResidualBlock(
+                self.blocks.append(_nn_blocks().ResidualBlock(
                     filters=width, strides=s, use_projection=s != 1 or channels != width,
                     norm_momentum=c.norm_momentum, norm_epsilon=c.norm_epsilon, name=f"conv{group + 2}_{r + 1}"))
                 channels = width
