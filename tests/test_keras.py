@@ -362,7 +362,10 @@ def test_mobilenet_v2_trains_sharded():
     train = tf.data.Dataset.from_tensor_slices((x, y)).batch(16)
     sharded = model.fit(tk.to_mesh(train, mesh), epochs=1, verbose=0).history["loss"]
     reference = plain.fit(train, epochs=1, verbose=0).history["loss"]
-    assert_close(sharded, reference, rtol=2.0 ** -23)  # Keras logs the loss as a float32 mean
+    # Keras logs the loss through a float32 Mean metric: the sharded side sums 8 devices' float32
+    # shares, then both divide total by count; each rounding is within 2^-24 relative, and 32
+    # of them bound the two paths (a suite run measured 6.9e-7 = 11.6 x 2^-24 on Eigen kernels).
+    assert_close(sharded, reference, rtol=32 * 2.0 ** -24)
     after, expected = model.get_weights(), plain.get_weights()
     assert {a.dtype for a in after} == {e.dtype for e in expected} == {np.dtype(np.float64)}
     largest = max(np.abs(e - s).max() for e, s in zip(expected, start))
