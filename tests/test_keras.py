@@ -348,13 +348,19 @@ def test_mobilenet_v2_trains_sharded():
     rng = np.random.RandomState(0)
     x, y = rng.randn(16, 32, 32, 3), rng.randint(0, 5, (16,)).astype("int32")
     tf_keras.utils.set_random_seed(0)
+    # float64 layers: floatx alone is not enough once any test (or tfpod's trainer) has set a
+    # global policy, which then wins over floatx; both are put back after.
+    policy = tf_keras.mixed_precision.global_policy()
     tf_keras.backend.set_floatx("float64")
+    tf_keras.mixed_precision.set_global_policy("float64")
     try:
         plain = build()
         with tfpod.sharding(mesh):
             model = build()
     finally:
+        tf_keras.mixed_precision.set_global_policy(policy)
         tf_keras.backend.set_floatx("float32")
+    assert {w.dtype for m in (plain, model) for w in m.get_weights()} == {np.dtype(np.float64)}
     start = plain.get_weights()
     model.set_weights(start)
     for m in (plain, model):
