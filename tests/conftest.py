@@ -27,19 +27,33 @@ import tfpod  # noqa: E402,F401  (selects tf_keras before TensorFlow loads)
 def pytest_configure(config):
     config.addinivalue_line("markers", "unit: no subprocess and no multi-device training (pytest -m unit)")
     config.addinivalue_line("markers", "slurm: needs a real SLURM (bash .ci/slurm); left out unless -m selects it")
+    if hasattr(config.option, "loadscopereorder"):
+        config.option.loadscopereorder = False  # xdist: files in the order collected (SLOWEST_FIRST)
     from tfpod import runtime
 
     runtime.initialize(cpu_devices=int(os.environ["TFPOD_CPU_DEVICES"]), device_type="CPU")
 
 
+# The files that take longest (docs/benchmarks.md "Tests"), longest first. Under
+# `-n 2 --dist loadfile` a worker takes the next file when it is almost done with its own,
+# in collection order; started first, the long files leave short ones to even out the end
+# (xdist's own order, by number of tests, left a long file running alone at the end).
+SLOWEST_FIRST = ["test_pipeline", "test_reliability", "test_run_folder", "test_ssd", "test_async_checkpoint",
+                 "test_convert", "test_export", "test_keras", "test_multihost", "test_plan", "test_train",
+                 "test_eval", "test_presets", "test_input", "test_main", "test_bert", "test_resnet", "test_sharding",
+                 "test_keras_layers", "test_moe", "test_transformer", "test_text", "test_pretrained_input"]
+
+
 def pytest_collection_modifyitems(config, items):
-    """`slurm` tests run only when -m names them (bash .ci/slurm installs SLURM first)."""
-    if "slurm" in (config.option.markexpr or ""):
-        return
-    kept = [item for item in items if "slurm" not in item.keywords]
-    if len(kept) != len(items):
-        config.hook.pytest_deselected(items=[item for item in items if "slurm" in item.keywords])
-        items[:] = kept
+    """`slurm` tests run only when -m names them (bash .ci/slurm installs SLURM first);
+    files in SLOWEST_FIRST order, then the rest as collected."""
+    if "slurm" not in (config.option.markexpr or ""):
+        kept = [item for item in items if "slurm" not in item.keywords]
+        if len(kept) != len(items):
+            config.hook.pytest_deselected(items=[item for item in items if "slurm" in item.keywords])
+            items[:] = kept
+    rank = {name: i for i, name in enumerate(SLOWEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.stem, len(rank)))  # stable: a file's own order stays
 
 
 def main_command(*args) -> list[str]:

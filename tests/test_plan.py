@@ -194,3 +194,51 @@ def test_auto_ranks_by_predicted_time_and_a_given_mesh_stays():
     tiny = devices.DeviceSpec("tiny", 1e5, 1e12, 1e12, 1e11, 1e10, 1e10, 8)  # 100 kB: nothing fits
     best, top = search(Planner(configs("gpt", lm_tiny()), tiny, 8))
     assert best is None and not any(p["fits"] for p in top)
+
+
+@pytest.mark.unit
+def test_a_cpu_figure_is_measured_once_per_machine_and_kept(tmp_path, monkeypatch, caplog):
+    """tfpod.measured: measured on the first call, read back after (in another process too);
+    keyed by the machine; TFPOD_CACHE_DIR=off measures every time; a damaged or unwritable
+    cache is one warning and the figure is measured."""
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+    from tfpod import measured
+
+    calls = []
+    measure = lambda: calls.append(1) or 7.5e10
+    monkeypatch.setenv("TFPOD_CACHE_DIR", str(tmp_path / "cache"))
+    assert measured.figure("matmul test", measure) == 7.5e10 and len(calls) == 1
+    assert measured.figure("matmul test", measure) == 7.5e10 and len(calls) == 1  # read back
+    assert measured.figure("matmul test", measure, key="another CPU") == 7.5e10 and len(calls) == 2
+    table = json.loads((tmp_path / "cache" / "measured.json").read_text())
+    assert set(table) == {f"matmul test | {measured.machine_key()}", "matmul test | another CPU"}
+    assert "AVX-512" in measured.machine_key() and "intra-op threads" in measured.machine_key()
+    read = subprocess.run([sys.executable, "-c", "from tfpod import measured; "
+                           "print(measured.figure('matmul test', lambda: 1.0, key='another CPU'))"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120, env=dict(os.environ))
+    assert read.stdout.split()[-1] == "75000000000.0", read.stderr[-2000:]
+    # the real figures the trainer and the planner use go through it
+    from tfpod import flops
+
+    peak = flops.measured_matmul_flops("float32", n=256, repeats=1)
+    assert peak > 0 and any(k.startswith("matmul float32 n=256") for k in
+                            json.loads((tmp_path / "cache" / "measured.json").read_text()))
+    flops.measured_matmul_flops.cache_clear()
+
+    monkeypatch.setenv("TFPOD_CACHE_DIR", "off")
+    measured.figure("matmul test", measure)
+    measured.figure("matmul test", measure)
+    assert len(calls) == 4
+    (tmp_path / "damaged").mkdir()
+    (tmp_path / "damaged" / "measured.json").write_text('{"matmul')
+    monkeypatch.setenv("TFPOD_CACHE_DIR", str(tmp_path / "damaged"))
+    assert measured.figure("matmul test", measure) == 7.5e10 and len(calls) == 5
+    assert caplog.text.count("measured.json cannot be read") == 1
+    assert json.loads((tmp_path / "damaged" / "measured.json").read_text())  # rewritten whole
+    (tmp_path / "file").write_text("")
+    monkeypatch.setenv("TFPOD_CACHE_DIR", str(tmp_path / "file" / "cache"))  # under a file: cannot be made
+    assert measured.figure("matmul test", measure) == 7.5e10 and len(calls) == 6
+    assert "cannot keep them in" in caplog.text

@@ -227,6 +227,15 @@ def set_training_state(model, state) -> None:
     model._training_state = state
 
 
+def no_autograph():
+    """A scope in which tf_keras calls layers as written, without autograph's source
+    conversion (tf_keras converts a subclassed layer's `call` unless the caller's
+    autograph status is off, as inside `tf.function(autograph=False)`)."""
+    from tensorflow.python.autograph.core import ag_ctx
+
+    return ag_ctx.ControlStatusCtx(status=ag_ctx.Status.DISABLED)
+
+
 def tf_keras():
     import tf_keras as module
 

@@ -143,7 +143,7 @@ def make_eval_step(forward: Callable, metric: Metric, model_inputs: Callable[[Ma
       metric_batch: batch -> the features the metric reads (a pipeline's: the last stage's).
     """
 
-    @tf.function
+    @tf.function(autograph=False)
     def eval_step(batch):
         outputs = forward(model_inputs(batch))
         sums = metric.update(tf.cast(outputs, tf.float32), metric_batch(batch))

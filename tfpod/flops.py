@@ -1,8 +1,8 @@
 """Model FLOPs utilization: model FLOPs per second over the hardware's peak.
 
 Peaks of known accelerators come from their data sheets (dense, per chip). A CPU has
-no data sheet number, so its peak is measured once per process with a large matmul on
-one device, which is the same yardstick bench/ uses.
+no data sheet number, so its peak is measured with a large matmul on one device, which
+is the same yardstick bench/ uses, once per machine (tfpod.measured keeps it).
 """
 
 from __future__ import annotations
@@ -23,10 +23,13 @@ _DATASHEET = {
 def measured_matmul_flops(dtype: str = "float32", n: int = 2048, repeats: int = 3) -> float:
     """FLOP/s of an n x n x n matmul on the first device of this process (best of repeats).
 
-    The quick figure the trainer logs MFU against on a CPU; `peak_matmul_flops` is the
-    thorough one the benchmarks use.
+    The quick figure the trainer logs MFU against on a CPU, measured once per machine
+    (tfpod.measured keeps it); `peak_matmul_flops` is the thorough one the benchmarks use.
     """
-    return matmul_flops(dtype, (n, n, n), per_call=1, repeats=repeats)
+    from tfpod import measured
+
+    return measured.figure(f"matmul {dtype} n={n} repeats={repeats}",
+                           lambda: matmul_flops(dtype, (n, n, n), per_call=1, repeats=repeats))
 
 
 def matmul_flops(dtype: str, shape: tuple[int, int, int], per_call: int = 1, repeats: int = 3) -> float:

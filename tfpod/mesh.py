@@ -167,6 +167,6 @@ def host_max(values: list[float], mesh: dtensor.Mesh | None = None) -> list[floa
     return [float(v) for v in dtensor.unpack(_max_over_devices(dtensor.pack(local, layout)))[0].numpy()]
 
 
-@tf.function
+@tf.function(autograph=False)
 def _max_over_devices(x):
     return tf.reduce_max(x, axis=list(range(x.shape.rank - 1)))

@@ -64,16 +64,15 @@ def make_train_loop(model, update: optimizers.Update, loss_fn, clip_norm: float 
         tf.cond(tf.math.is_finite(loss) & tf.math.is_finite(norm), lambda: update.apply(grads), skip)
         return loss, norm
 
-    @tf.function
+    @tf.function(autograph=False)  # traced as written: no source conversion (seconds per process)
     def train_loop(stacked, num_steps):
-        losses = tf.zeros([steps_per_loop])
-        norms = tf.zeros([steps_per_loop])
-        for i in tf.range(num_steps):
-            batch = {k: tf.gather(v, i) for k, v in stacked.items()}
-            loss, norm = train_step(batch)
+        def body(i, losses, norms):
+            loss, norm = train_step({k: tf.gather(v, i) for k, v in stacked.items()})
             hot = tf.one_hot(i, steps_per_loop)
-            losses += hot * tf.cast(loss, tf.float32)
-            norms += hot * tf.cast(norm, tf.float32)
+            return i + 1, losses + hot * tf.cast(loss, tf.float32), norms + hot * tf.cast(norm, tf.float32)
+
+        zeros = tf.zeros([steps_per_loop])
+        _, losses, norms = tf.while_loop(lambda i, *_: i < num_steps, body, (tf.constant(0), zeros, zeros))
         return losses, norms
 
     return train_loop

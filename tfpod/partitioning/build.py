@@ -46,7 +46,7 @@ def _lazy_build(model_fn, input_signature):
     import tf_keras
 
     tf_keras.backend.experimental.enable_tf_random_generator()  # DTensor needs tf.random.Generator
-    with compat.lazy_variable().lazy_init_scope():
+    with compat.lazy_variable().lazy_init_scope(), compat.no_autograph():
         model = model_fn()
         inputs = tf.nest.map_structure(
             lambda s: tf_keras.Input(shape=s.shape[1:], dtype=s.dtype, name=getattr(s, "name", None)),

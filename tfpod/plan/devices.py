@@ -1,7 +1,7 @@
 """Device specs the planner predicts for: memory, peak FLOP/s, memory and link bandwidths.
 
 Accelerators come from their data sheets (dense, per chip; the links per direction).
-`cpu` is measured on the spot: this machine's large-matmul peak, its memory bandwidth
+`cpu` is measured once per machine (tfpod.measured): this machine's large-matmul peak, its memory bandwidth
 and its RAM, divided among the logical devices that share them (tfpod splits one CPU
 into N logical devices for tests and laptops).
 
@@ -112,13 +112,16 @@ def host_memory_bytes() -> float:
 
 @functools.lru_cache(maxsize=None)
 def measured_cpu() -> dict:
-    """This CPU's matmul peaks (fp32, bf16), memory bandwidth and RAM, measured once per process."""
-    from tfpod import flops
+    """This CPU's matmul peaks (fp32, bf16), memory bandwidth and RAM, measured once per
+    machine (tfpod.measured keeps them)."""
+    from tfpod import flops, measured
 
     shapes = ((2048, 2048, 2048),)  # a few seconds; the efficiency constants below are relative to it
-    return {"fp32_flops": flops.peak_matmul_flops("float32", shapes, repeats=2),
-            "bf16_flops": flops.peak_matmul_flops("bfloat16", shapes, repeats=2),
-            "memory_bandwidth": memory_bandwidth(), "memory_bytes": host_memory_bytes()}
+    peak = lambda dtype: measured.figure(f"planner peak {dtype} {shapes} repeats=2",
+                                         lambda: flops.peak_matmul_flops(dtype, shapes, repeats=2))
+    return {"fp32_flops": peak("float32"), "bf16_flops": peak("bfloat16"),
+            "memory_bandwidth": measured.figure("memory bandwidth 256 MiB x2 best of 4", memory_bandwidth),
+            "memory_bytes": host_memory_bytes()}
 
 
 # Logical CPU devices, fitted to bench/presets.py's four presets (bench/plan_accuracy.py;
