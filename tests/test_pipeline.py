@@ -219,7 +219,9 @@ def host_pids(model_dir) -> list[int]:
 
 def test_two_hosts_pipeline_killed_and_resumed_equals_one_unpipelined_process(tmp_path):
     """Every step's loss of the killed and resumed 2-host pipeline equals one process's
-    (this one's 8 devices) on data:8, unpipelined, over the same steps."""
+    (this one's 8 devices) on data:8, unpipelined, over the same steps. The relaunch takes
+    the killed job's claim on the folder over (tfpod.run_folder) and moves its damaged
+    newest checkpoint aside."""
     args = lambda d, steps: [f"--model_dir={d}"] + [f"--gin_param={p}" for p in PARAMS + [f"train.steps={steps}"]]
     d = tmp_path / "two"
     first = subprocess.Popen(launch_command(2, 4, *HOSTS, *args(d, 200)), cwd=ROOT, stdout=subprocess.PIPE,
@@ -230,14 +232,23 @@ def test_two_hosts_pipeline_killed_and_resumed_equals_one_unpipelined_process(tm
     for pid in host_pids(d):  # every host, mid-run; the launcher then stops
         os.kill(pid, signal.SIGKILL)
     first.communicate(timeout=60)
-    saved = max(int(f.name[5:-6]) for f in (d / "checkpoints").glob("ckpt-*.index"))
-    end = saved + 4
-    assert 4 <= saved and end <= 16
+    holder = json.load(open(d / "claim.json"))  # the killed job's claim on the folder stays
+    newest = max(int(f.name[5:-6]) for f in (d / "checkpoints").glob("ckpt-*.index"))
+    end = newest + 4
+    assert 4 <= newest and end <= 16
+    # ... and its newest checkpoint damaged (a shard of another write beside its own): moved aside.
+    shards = list((d / "checkpoints").glob(f"ckpt-{newest}.data-*"))
+    (d / "checkpoints" / f"ckpt-{newest}.data-00000-of-{len(shards) + 1:05d}").write_bytes(shards[0].read_bytes())
+    saved = newest - 2
     second = subprocess.run(launch_command(2, 4, *HOSTS, *args(d, end)), cwd=ROOT, capture_output=True, text=True,
                             timeout=600)
     assert second.returncode == 0, second.stderr[-3000:]
+    out = second.stdout + second.stderr
     assert "stage:2,data:2,model:2" in second.stdout and "2 pipeline stages (1f1b)" in second.stdout
-    assert f"at step {saved}" in second.stdout
+    assert "was claimed by a run that is gone" in out and f"process {holder['pid']}" in out
+    assert f"ckpt-{newest} is damaged" in out and (d / "checkpoints" / f"ckpt-{newest}.corrupt.0.index").exists()
+    assert f"resumed from {d}/checkpoints/ckpt-{saved} at step {saved}" in out
+    assert not (d / "claim.json").exists()
     one = run(["gin/lm_tiny.gin"], PARAMS + [f"train.steps={end}", "train.checkpoint_every=1000"],
               str(tmp_path / "one"), mesh_spec="data:8")  # (its checkpoints are not what is compared)
     assert len(one["losses"]) == end
