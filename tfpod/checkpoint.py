@@ -316,7 +316,7 @@ def nonfinite_counts(variables: list) -> Callable[[], tf.Tensor]:
     gpt_small.
     """
     count = lambda v: tf.reduce_sum(tf.cast(tf.logical_not(tf.math.is_finite(v)), tf.float32))
-    return tf.function(lambda: tf.stack([count(v) for v in variables]))
+    return tf.function(lambda: tf.stack([count(v) for v in variables]), autograph=False)
 
 
 class NonfiniteState(UserError):
