@@ -104,14 +104,14 @@ def test_kill9_then_sigterm_then_relaunch_equals_an_uninterrupted_run(tmp_path, 
         np.testing.assert_allclose(got[k], want[k], rtol=1e-6, atol=1e-7, err_msg=k)
 
 
-@pytest.mark.parametrize("background", [False, True], ids=["sync", "async"])
-def test_a_checkpoint_write_the_disk_refuses_is_one_line_and_loses_nothing(tmp_path, background):
+def test_a_checkpoint_write_the_disk_refuses_is_one_line_and_loses_nothing(tmp_path):
     """A checkpoint write the file system refuses (a full disk gave 40 lines of
     ResourceExhaustedError) stops the run with one line and exit 1; the checkpoints already
     there stay as they were and the rerun resumes. The refusal is the OS's own: a file-size
     limit (RLIMIT_FSIZE) below one checkpoint shard, SIGXFSZ ignored, so the write fails (EFBIG)
     as a write to a full disk does (ENOSPC). The same when the write is in the background
-    (train.async_checkpoint): the end of training waits for it and reports it."""
+    (train.async_checkpoint): the end of training waits for it and reports it. (Both refused
+    runs go on from the same folder, one after the other.)"""
     d = tmp_path / "run"
     params = ["gpt.num_layers=1", "train.global_batch_size=16", "train.steps_per_loop=2", "train.log_every=2",
               "train.checkpoint_every=2", "train.synthetic_data=True"]
@@ -124,17 +124,19 @@ def test_a_checkpoint_write_the_disk_refuses_is_one_line_and_loses_nothing(tmp_p
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
         resource.setrlimit(resource.RLIMIT_FSIZE, (512 * 1024, 512 * 1024))
 
-    cmd = main_command("--gin_file=gin/lm_tiny.gin", "--cpu_devices=8", "--mesh=data:8", f"--model_dir={d}",
-                       *[f"--gin_param={p}" for p in params + ["train.steps=4", f"train.async_checkpoint={background}"]])
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600, preexec_fn=limit_file_size)
-    assert proc.returncode == 1, proc.stderr[-3000:]
-    last = proc.stderr.strip().splitlines()[-1]
-    assert last.startswith(f"error: checkpoint of step 4 could not be written to {d / 'checkpoints'} (") and (
-        f"the newest checkpoint, {d / 'checkpoints' / 'ckpt-2'}, holds finite values" in last), proc.stderr[-3000:]
-    assert "Traceback" not in proc.stderr and "ResourceExhausted" not in proc.stderr
-    assert not glob.glob(str(d / "checkpoints" / "ckpt-4*"))  # what the failed write left is gone
-    after = checkpoint_values(str(d / "checkpoints" / "ckpt-2"))
-    assert after.keys() == before.keys() and all(np.array_equal(after[k], before[k]) for k in before)
+    for background in (False, True):
+        cmd = main_command("--gin_file=gin/lm_tiny.gin", "--cpu_devices=8", "--mesh=data:8", f"--model_dir={d}",
+                           *[f"--gin_param={p}" for p in params + ["train.steps=4",
+                                                                    f"train.async_checkpoint={background}"]])
+        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600, preexec_fn=limit_file_size)
+        assert proc.returncode == 1, (background, proc.stderr[-3000:])
+        last = proc.stderr.strip().splitlines()[-1]
+        assert last.startswith(f"error: checkpoint of step 4 could not be written to {d / 'checkpoints'} (") and (
+            f"the newest checkpoint, {d / 'checkpoints' / 'ckpt-2'}, holds finite values" in last), proc.stderr[-3000:]
+        assert "Traceback" not in proc.stderr and "ResourceExhausted" not in proc.stderr
+        assert not glob.glob(str(d / "checkpoints" / "ckpt-4*"))  # what the failed write left is gone
+        after = checkpoint_values(str(d / "checkpoints" / "ckpt-2"))
+        assert after.keys() == before.keys() and all(np.array_equal(after[k], before[k]) for k in before)
     out = run(["gin/lm_tiny.gin"], params + ["train.steps=4"], str(d), mesh_spec="data:8")
     assert out["step"] == 4 and len(out["losses"]) == 2  # resumed from ckpt-2
 
