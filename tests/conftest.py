@@ -5,7 +5,7 @@ or several hosts, start subprocesses (`main_py`, `launch`). `make_run` builds a
 Controller (and its Trainer) as main.py does, from configs.
 
 Markers: `unit` marks tests that start no subprocess and train on no multi-device mesh
-(`pytest -m unit` runs them in under two minutes); the README's test command runs all.
+(`pytest -n 2 -m unit` runs them in under 3 minutes); the README's test command runs all.
 """
 
 import os
