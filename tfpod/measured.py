@@ -81,9 +81,13 @@ def figure(name: str, measure: Callable[[], float], key: str | None = None) -> f
         table = _read(path, warn=False)  # again: another process may have added figures meanwhile
         table[entry] = value
         fd, tmp = tempfile.mkstemp(prefix=".measured-", dir=folder)
-        with os.fdopen(fd, "w") as f:
-            json.dump(table, f, indent=1, sort_keys=True)
-        os.replace(tmp, path)  # whole or not at all, whoever writes last
+        try:
+            with os.fdopen(fd, "w") as f:
+                json.dump(table, f, indent=1, sort_keys=True)
+            os.replace(tmp, path)  # whole or not at all, whoever writes last
+        finally:
+            if os.path.exists(tmp):  # a write that failed (a full disk) leaves no temp file behind
+                os.remove(tmp)
     except OSError as e:
         log.warning("measured figures: cannot keep them in %s (%s): every run measures again "
                     "(set TFPOD_CACHE_DIR to a writable folder, or TFPOD_CACHE_DIR=off)", folder, e)

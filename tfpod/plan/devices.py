@@ -1,9 +1,9 @@
 """Device specs the planner predicts for: memory, peak FLOP/s, memory and link bandwidths.
 
 Accelerators come from their data sheets (dense, per chip; the links per direction).
-`cpu` is measured once per machine (tfpod.measured): this machine's large-matmul peak, its memory bandwidth
-and its RAM, divided among the logical devices that share them (tfpod splits one CPU
-into N logical devices for tests and laptops).
+`cpu` is measured once per machine (tfpod.measured keeps it): this machine's large-matmul
+peak, its memory bandwidth and its RAM, divided among the logical devices that share them
+(tfpod splits one CPU into N logical devices for tests and laptops).
 
 fp32 matmuls: TensorFlow runs them as TF32 on Ampere and Hopper GPUs by default
 (`tf.config.experimental.enable_tensor_float_32_execution`), and with one bf16 pass on
