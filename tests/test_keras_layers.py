@@ -48,50 +48,104 @@ LAYERS = {
 }
 
 
-def build(shape, make):
-    if shape == IDS:
-        inputs = tf_keras.Input(shape, dtype="int32")
-    else:
-        inputs = tf_keras.Input(shape)
+def layer_output(shape, make, inputs):
     if make == "attention":
-        x = L.MultiHeadAttention(2, 4)(inputs, inputs)
-    elif make == "mg_embedding":  # Model Garden's (BertEncoderV2's word embedding)
+        return L.MultiHeadAttention(2, 4)(inputs, inputs)
+    if make == "mg_embedding":  # Model Garden's (BertEncoderV2's word embedding)
         from official.nlp.modeling.layers import OnDeviceEmbedding
 
-        x = OnDeviceEmbedding(20, 4)(inputs)
-    else:
-        x = make()(inputs)
-    return tf_keras.Model(inputs, L.Dense(3)(L.Flatten()(x)))
+        return OnDeviceEmbedding(20, 4)(inputs)
+    return make()(inputs)
+
+
+def build(layers: dict):
+    """One functional model with a branch per layer (input -> layer -> flatten -> dense(3)),
+    each branch an output with its own loss: the branches share nothing, so each layer
+    trains as it would alone."""
+    inputs, logits = [], []
+    for i, (shape, make, _) in enumerate(layers.values()):
+        inputs.append(tf_keras.Input(shape, dtype="int32" if shape == IDS else "float32", name=f"in{i}"))
+        logits.append(L.Dense(3, name=f"head{i}")(L.Flatten()(layer_output(shape, make, inputs[-1]))))
+    return tf_keras.Model(inputs, logits)
+
+
+def data(layers: dict, rng) -> tf.data.Dataset:
+    x = {f"in{i}": rng.randint(0, 20, (32,) + shape).astype("int32") if shape == IDS else
+         rng.randn(32, *shape).astype("float32") for i, (shape, _, _) in enumerate(layers.values())}
+    y = rng.randint(0, 3, (32,)).astype("int32")
+    return tf.data.Dataset.from_tensor_slices((x, {f"head{i}": y for i in range(len(layers))})).batch(16)
+
+
+def fit_both(layers: dict, mesh, rng):
+    """The model of `layers` built plainly and under tfpod.sharding from the same weights,
+    both compiled with SGD; the sharded compile may raise UserError."""
+    tf_keras.backend.clear_session()
+    tf_keras.utils.set_random_seed(0)
+    plain = build(layers)
+    with tfpod.sharding(mesh):
+        model = build(layers)
+    model.set_weights(plain.get_weights())
+    loss = tf_keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    plain.compile(optimizer=tf_keras.optimizers.SGD(0.1), loss=loss)
+    model.compile(optimizer=tf_keras.optimizers.SGD(0.1), loss=loss)
+    return plain, model
 
 
 def test_common_layers_train_sharded_as_unsharded_or_are_refused_at_compile():
+    """The layers that train sit in one model (one compile instead of one per layer), each
+    in its own branch with its own loss: each branch's losses over 2 epochs match unsharded
+    ones, and so do its weights after them."""
     mesh = tfpod.make_mesh("data:8")
     rng = np.random.RandomState(0)
+    trains = {name: spec for name, spec in LAYERS.items() if spec[2] is None}
+    train = data(trains, rng)
+    plain, model = fit_both(trains, mesh, rng)
+    got = model.fit(tfpod.input.to_mesh(train, mesh), epochs=2, verbose=0).history
+    want = plain.fit(train, epochs=2, verbose=0).history
     failures = []
-    for name, (shape, make, refused_op) in LAYERS.items():
-        tf_keras.backend.clear_session()
-        x = rng.randint(0, 20, (32,) + shape).astype("int32") if shape == IDS else rng.randn(32, *shape).astype(
-            "float32")
-        y = rng.randint(0, 3, (32,)).astype("int32")
-        train = tf.data.Dataset.from_tensor_slices((x, y)).batch(16)
-        tf_keras.utils.set_random_seed(0)
-        plain = build(shape, make)
-        with tfpod.sharding(mesh):
-            model = build(shape, make)
-        model.set_weights(plain.get_weights())
-        loss = tf_keras.losses.SparseCategoricalCrossentropy(from_logits=True)
-        plain.compile(optimizer=tf_keras.optimizers.SGD(0.1), loss=loss)
+    sharded = dict(zip((layer.name for layer in plain.layers), model.layers))  # the same graph, built twice
+    for i, name in enumerate(trains):
+        key = f"head{i}_loss" if len(trains) > 1 else "loss"
+        if not np.allclose(got[key], want[key], rtol=1e-4, atol=1e-6):
+            failures.append(f"{name}: losses {got[key]} sharded vs {want[key]}")
+        for layer_name in sorted(branch_layers(plain, i)):
+            for w, v in zip(plain.get_layer(layer_name).weights, sharded[layer_name].weights):
+                if not np.allclose(tfpod_value(v), w.numpy(), rtol=1e-4, atol=1e-6):
+                    failures.append(f"{name}: {w.name} differs from unsharded by "
+                                    f"{np.abs(tfpod_value(v) - w.numpy()).max():.3g}")
+    for name, spec in LAYERS.items():
+        if spec[2] is None:
+            continue
         try:
-            model.compile(optimizer=tf_keras.optimizers.SGD(0.1), loss=loss)
+            fit_both({name: spec}, mesh, rng)
         except UserError as e:
-            if refused_op is None or f"uses the op {refused_op}" not in str(e) or "\n" in str(e):
+            if f"uses the op {spec[2]}" not in str(e) or "\n" in str(e):
                 failures.append(f"{name}: refused: {e}")
             continue
-        if refused_op is not None:
-            failures.append(f"{name}: compiled, but DTensor cannot lay out {refused_op}")
-            continue
-        got = model.fit(tfpod.input.to_mesh(train, mesh), epochs=2, verbose=0).history["loss"]
-        want = plain.fit(train, epochs=2, verbose=0).history["loss"]
-        if not np.allclose(got, want, rtol=1e-4, atol=1e-6):
-            failures.append(f"{name}: losses {got} sharded vs {want}")
+        failures.append(f"{name}: compiled, but DTensor cannot lay out {spec[2]}")
     assert not failures, failures
+
+
+def branch_layers(model, i: int) -> set[str]:
+    """Names of the layers between input `in{i}` and its head (the layer, flatten, head)."""
+    names, frontier = set(), [model.get_layer(f"in{i}")]
+    while frontier:
+        layer = frontier.pop()
+        for node in layer.outbound_nodes:
+            nxt = node.outbound_layer
+            if nxt.name in names:
+                continue
+            names.add(nxt.name)
+            frontier.append(nxt)
+    return names
+
+
+def tfpod_value(v) -> np.ndarray:
+    """A (possibly sharded) variable's whole value on the host."""
+    from tensorflow.experimental import dtensor
+
+    value = v.read_value()
+    if not dtensor.is_dtensor(value):
+        return value.numpy()
+    layout = dtensor.fetch_layout(value)
+    return dtensor.unpack(dtensor.relayout(value, dtensor.Layout.replicated(layout.mesh, layout.rank)))[0].numpy()
