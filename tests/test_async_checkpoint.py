@@ -72,32 +72,40 @@ def small_run(model_dir, mesh, preset, **sharding):
 
 
 def write_both_ways(tmp_path, mesh, preset, **sharding):
-    """One trained state written by a synchronous save (sync/) and by the background writer (async/)."""
+    """One trained state written by TensorFlow's own sharded save (tf/), tfpod's synchronous
+    save (sync/) and its background writer (async/)."""
+    import tensorflow as tf
+
     run = small_run(tmp_path / "sync", mesh, preset, **sharding)
     run.train()  # its last step is saved synchronously
+    ours, saves = str(tmp_path / "sync" / "checkpoints" / "ckpt-2"), int(run.checkpoints._ckpt.save_counter.numpy())
+    with run.checkpoints._mesh():  # DTensor's SaveV2 on the mesh, as tf.train.Checkpoint writes it
+        reference = tf.train.CheckpointManager(run.checkpoints._ckpt, str(tmp_path / "tf"), 1).save(2)
+    assert_same_checkpoint(reference, ours, saves)
     background = checkpoint.CheckpointManager(str(tmp_path / "async"), run.trainer.step, async_save=True,
                                               model=run.trainer.model, optimizer=run.trainer.optimizer)
     path = background.save()
     background.wait()
-    return str(tmp_path / "sync" / "checkpoints" / "ckpt-2"), path, run, background
+    return reference, path, run, background
 
 
-def assert_same_checkpoint(sync, background, manager):
-    """The same keys, shapes and values (the object graph too); save_counter counts each manager's saves."""
+def assert_same_checkpoint(sync, background, saves: int):
+    """`background` holds the same keys, shapes and values as `sync` (the object graph too),
+    and save_counter `saves` (each manager counts its own saves)."""
     import tensorflow as tf
 
     assert dict(tf.train.list_variables(background)) == dict(tf.train.list_variables(sync))
     a, b = tf.train.load_checkpoint(sync), tf.train.load_checkpoint(background)
     for key in a.get_variable_to_shape_map():  # every variable, optimizer slot, the step and the object graph
         if key.startswith("save_counter/"):
-            assert b.get_tensor(key) == manager._ckpt.save_counter.numpy()
+            assert b.get_tensor(key) == saves
         else:
             np.testing.assert_array_equal(b.get_tensor(key), a.get_tensor(key), err_msg=key)
 
 
 @pytest.mark.parametrize("mesh,preset", [("data:2,model:4", "2d"), ("stage:2,data:2,model:2", "tensor")],
                          ids=["2d", "pipeline"])
-def test_a_background_checkpoint_holds_what_a_synchronous_one_does_and_restores_onto_another_mesh(
+def test_synchronous_and_background_checkpoints_hold_what_tensorflows_own_save_does_and_restore_elsewhere(
         tmp_path, mesh, preset):
     """gpt on data:2,model:4 with the 2d preset (weights split over both axes, replicated
     norms, sharded optimizer slots), and in 2 pipeline stages (each stage's variables on its
@@ -108,7 +116,7 @@ def test_a_background_checkpoint_holds_what_a_synchronous_one_does_and_restores_
     from tfpod import runtime
 
     sync, background, run, manager = write_both_ways(tmp_path, mesh, preset)
-    assert_same_checkpoint(sync, background, manager)
+    assert_same_checkpoint(sync, background, int(manager._ckpt.save_counter.numpy()))
     # one host's part, merged; nothing temporary left
     assert sorted(os.listdir(tmp_path / "async" / "checkpoints")) == ["checkpoint", "ckpt-2.data-00000-of-00001",
                                                                      "ckpt-2.index"]

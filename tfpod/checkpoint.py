@@ -12,19 +12,21 @@ sharded checkpoint), the input position (tfpod.input_position), synthetic batche
 by the step) and dropout masks (tfpod.partitioning.dropout: seeded by the step, not by a
 random state that a killed process loses).
 
-Writes are atomic: TensorFlow writes a checkpoint's files under temporary names and
-renames them, and the `checkpoint` state file last. With `async_save`
-(train.async_checkpoint) tfpod.checkpoint_writer writes the same files in a background
-thread, each host its own shards, and records the checkpoint once it is whole. The
-index comes last, so a checkpoint with an index whose data shards are missing or mixed
-from two writes is damaged (`scan`); it, and one whose files fail their checksums, is
-reported, moved aside and the one before it used (`CheckpointManager.restore_latest`).
-A damaged `checkpoint` state file is moved aside and rebuilt (`open_manager`). One run
-writes a folder at a time (tfpod.run_folder).
+Writes are atomic: tfpod.checkpoint_writer writes each host's shards under
+`ckpt-N_temp/`, host 0 merges them into `ckpt-N` (the index last), and the checkpoint is
+then recorded in the `checkpoint` state file. A save returns when that is done; with
+`async_save` (train.async_checkpoint) it goes on in a background thread while training
+goes on. The files are those TensorFlow's own sharded save writes, and
+`tf.train.Checkpoint.restore` reads them onto any mesh. A checkpoint with an index whose
+data shards are missing or mixed from two writes is damaged (`scan`); it, and one whose
+files fail their checksums, is reported, moved aside and the one before it used
+(`CheckpointManager.restore_latest`). A damaged `checkpoint` state file is moved aside
+and rebuilt (`open_manager`). One run writes a folder at a time (tfpod.run_folder).
 
-No checkpoint is written of non-finite state: `save` first checks every weight and
-optimizer slot for NaN and Inf (`NonfiniteState`), so the newest checkpoint is always
-one a run can go on from, and keeping the newest `keep` never drops the last finite one.
+No checkpoint is written of non-finite state: `check_finite` copies every weight and
+optimizer slot off the devices and checks the copy for NaN and Inf (`NonfiniteState`),
+and `save` writes that copy, so the newest checkpoint is always one a run can go on
+from, and keeping the newest `keep` never drops the last finite one.
 
 `Preemption` turns SIGTERM (tfpod.preemption's flag) into "finish this step, save, exit 0", agreed by all hosts.
 """
@@ -36,7 +38,6 @@ import json
 import logging
 import os
 import time
-from typing import Callable
 
 import numpy as np
 import tensorflow as tf
@@ -46,6 +47,8 @@ from tfpod import UserError, checkpoint_writer, compat, mesh as meshlib, preempt
 from tfpod.partitioning import report, stages
 
 log = logging.getLogger("tfpod")
+
+SAVE_COUNTER = "save_counter/.ATTRIBUTES/VARIABLE_VALUE"  # the checkpoint key of tf.train.Checkpoint's count of saves
 
 
 def complete_steps(directory: str) -> list[int]:
@@ -118,16 +121,19 @@ class CheckpointManager:
         mender = dtensor.client_id() == 0 and run_folder.live_holder(model_dir) is None
         self._manager = open_manager(self._ckpt, self.directory, keep, complete_steps(self.directory), mender,
                                      step_counter=step)
-        # Asynchronous saves (tfpod.checkpoint_writer): a checkpoint is recorded, and the
+        # Every save goes through tfpod.checkpoint_writer: a checkpoint is recorded, and the
         # oldest deleted, once it is whole, so `keep` complete ones stay on disk meanwhile.
-        self._writer = checkpoint_writer.BackgroundWriter(self._ckpt, dtensor.client_id(), dtensor.num_clients()) \
-            if async_save else None
+        self._writer = checkpoint_writer.BackgroundWriter(self._ckpt, dtensor.client_id(), dtensor.num_clients())
+        self._async = async_save
         self._writing = None
         # A save or restore names its files on DTensor's default mesh: make that the step's
         # (pipeline stages' variables are saved through the first stage, stages.save_through).
         layout = getattr(compat.inner_variable(step), "layout", None)
         self._mesh = (lambda: dtensor.default_mesh(layout.mesh)) if layout is not None else contextlib.nullcontext
-        self._finite_counts, self._keys = None, []  # the compiled check of `nonfinite`, made at its first use
+        self._step_mesh = layout.mesh if layout is not None else None
+        with self._mesh():
+            self._ckpt.save_counter  # created now (tf.train.Checkpoint makes it at the first save), so every copy holds it
+        self._checked = None  # (step, this host's copy of the state) from `check_finite`
 
     @property
     def latest(self) -> str | None:
@@ -153,6 +159,7 @@ class CheckpointManager:
           tf.errors.DataLossError: its files are corrupt (checksum or format).
         """
         self.wait()
+        self._checked = None
         problem = mismatch(self._ckpt, path)
         if problem:
             raise UserError(f"checkpoint {path} is not of this model: {problem}; {fix}")
@@ -219,56 +226,54 @@ class CheckpointManager:
         moved = quarantine(path, kind) if dtensor.client_id() == 0 else f"*.{kind}.* by host 0"
         log.warning("checkpoint %s %s: moved it to %s; trying the one before it", path, why, moved)
 
-    def nonfinite(self) -> list[str]:
-        """The saved variables (weights, optimizer slots) holding a NaN or Inf now, by checkpoint key.
-
-        One compiled pass over the state of each mesh (pipeline stages hold theirs on their
-        own; each variable's count of non-finite values, reduced over the mesh), so every
-        host gets the same answer.
-        """
-        if self._finite_counts is None:
-            keyed = [(k, v) for k, v in variables_by_key(self._ckpt).items() if v.dtype.is_floating]
-            groups: dict[str, list] = {}
-            for k, v in keyed:
-                layout = getattr(compat.inner_variable(v), "layout", None)
-                groups.setdefault(layout.mesh.to_string() if layout is not None else "", []).append((k, v))
-            self._keys = [k for members in groups.values() for k, _ in members]
-            self._finite_counts = [nonfinite_counts([v for _, v in members]) for members in groups.values()]
-        counts = np.concatenate([runtime.to_host(fn()) for fn in self._finite_counts])
-        return [self._keys[i].split("/.ATTRIBUTES")[0] for i in np.flatnonzero(counts)]
-
     def check_finite(self) -> None:
-        """Raises NonfiniteState when any saved variable holds a NaN or Inf (see `nonfinite`)."""
-        bad = self.nonfinite()
-        if bad:
-            raise NonfiniteState(int(self._step.numpy()), bad, self.latest)
+        """Copies this host's shards of the state off the devices (what `save` writes) and
+        raises NonfiniteState when any weight or optimizer slot holds a NaN or Inf.
+
+        Every host checks its own shards and the hosts agree (`any_host`), so all raise or
+        none does. The copy is kept for the `save` of the same step.
+        """
+        self.wait()  # a background write first frees its copy
+        step = int(self._step.numpy())
+        entries = self._writer.snapshot()
+        bad = sorted({key.split("/.ATTRIBUTES")[0] for key, _, value in entries
+                      if value.dtype.is_floating and not np.isfinite(value.numpy()).all()})
+        found = bool(bad) if dtensor.num_clients() == 1 else any_host(self._step_mesh, bool(bad))
+        if found:
+            self._checked = None
+            raise NonfiniteState(step, bad or ["(on another host)"], self.latest)
+        self._checked = (step, entries)
 
     def save(self, checked: bool = False) -> str:
         """Writes a checkpoint of the current step, never of non-finite state (NonfiniteState).
 
-        With `async_save` each host's shards are copied off the devices and written by a
-        background thread while training goes on (tfpod.checkpoint_writer); the next save
-        (and `wait`) first waits for it.
+        Each host copies its shards off the devices and tfpod.checkpoint_writer writes
+        them; the save returns when the checkpoint is whole. With `async_save` the write
+        goes on in a background thread while training goes on; the next save (and `wait`)
+        first waits for it.
 
         Args:
-          checked: the caller ran `check_finite` since the last update.
+          checked: the caller ran `check_finite` at this step (its copy is written).
         """
-        if not checked:
-            self.check_finite()
-        self.wait()
         step = int(self._step.numpy())
+        if not checked or self._checked is None or self._checked[0] != step:
+            self.check_finite()
+        entries, self._checked = self._checked[1], None
+        self.wait()
         started = time.time()
         try:
             with self._mesh():
-                if self._writer is None:
-                    path = self._manager.save(checkpoint_number=step)
-                else:
-                    self._ckpt.save_counter.assign_add(1)  # as the manager's save counts
-                    path = os.path.join(self.directory, f"ckpt-{step}")
-                    copied, held = self._writer.start(path, lambda p: compat.record_checkpoint(self._manager, p))
-        except (tf.errors.OpError, OSError) as e:  # a full disk, a quota, a lost mount
+                self._ckpt.save_counter.assign_add(1)  # as tf.train.CheckpointManager's save counts
+                counter = self._writer.copy({SAVE_COUNTER: self._ckpt.save_counter})
+                entries = [e for e in entries if e[0] != SAVE_COUNTER] + counter
+                path = os.path.join(self.directory, f"ckpt-{step}")
+                copied, held = self._writer.start(path, lambda p: compat.record_checkpoint(self._manager, p), entries)
+                del entries
+                if not self._async:
+                    self._writer.wait()
+        except (tf.errors.OpError, OSError, checkpoint_writer.WriteFailed) as e:  # a full disk, a quota, a lost mount
             self._failed(step, e)
-        if self._writer is not None:
+        if self._async:
             self._writing = (step, path, started)
             log.info("writing checkpoint %s in the background (this host's %s copied off the devices in %.2f s)",
                      path, report.human_bytes(held), copied)
@@ -306,17 +311,6 @@ class CheckpointManager:
                 (tf.io.gfile.rmtree if tf.io.gfile.isdir(f) else tf.io.gfile.remove)(f)
             except tf.errors.OpError:
                 pass
-
-
-def nonfinite_counts(variables: list) -> Callable[[], tf.Tensor]:
-    """A compiled function of no arguments: each variable's count of NaN and Inf values.
-
-    The variables are captured, not passed: passed (as a default argument) they made
-    tf.function trace and compile again at every call inside training, 15 s a save for
-    gpt_small.
-    """
-    count = lambda v: tf.reduce_sum(tf.cast(tf.logical_not(tf.math.is_finite(v)), tf.float32))
-    return tf.function(lambda: tf.stack([count(v) for v in variables]), autograph=False)
 
 
 class NonfiniteState(UserError):

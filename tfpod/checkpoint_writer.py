@@ -1,11 +1,12 @@
-"""Checkpoints written in the background while training goes on (`train.async_checkpoint`).
+"""Every checkpoint's files, written from host copies of each host's own shards; in the
+background while training goes on with `train.async_checkpoint`.
 
 At a save each host copies the shards it owns of every saved variable off its devices
-into host memory, and training goes on. A shard is owned by the first device holding it
-(the one at coordinate 0 on every mesh axis the variable is not split along), so each
-distinct piece of the state is copied once in the whole job and a host holds only its own
-part of the checkpoint. A background thread then writes them in TensorFlow's checkpoint
-format, with the files of a synchronous save:
+into host memory (where tfpod.checkpoint checks them for NaN and Inf). A shard is owned
+by the first device holding it (the one at coordinate 0 on every mesh axis the variable
+is not split along), so each distinct piece of the state is copied once in the whole job
+and a host holds only its own part of the checkpoint. A thread then writes them in
+TensorFlow's checkpoint format, with the files of TensorFlow's own sharded save:
 
 1. every host writes its shards as one bundle, `ckpt-N_temp/part-<host>` (`SaveV2`, each
    shard as its slice of the whole variable; host 0 adds the object graph);
@@ -14,10 +15,15 @@ format, with the files of a synchronous save:
 3. every host, once `ckpt-N` is whole, records it in the `checkpoint` state file and
    deletes the oldest beyond `keep` (tf.train.CheckpointManager's own bookkeeping).
 
+A synchronous save waits for the thread; an asynchronous one returns after the copy.
 A checkpoint so written restores with `tf.train.Checkpoint.restore` onto any mesh and
-reads with `tf.train.load_checkpoint`, like a synchronous one. The hosts share nothing but
-the checkpoint folder (which a multi-host run needs anyway): no collective runs beside the
-training step's.
+reads with `tf.train.load_checkpoint`. The hosts share nothing but the checkpoint folder
+(which a multi-host run needs anyway): no collective runs beside the training step's.
+
+TensorFlow's own synchronous save (`tf.train.Checkpoint.write` on DTensor variables)
+traces and compiles a new save function at every save: 1.5 s a save of lm_tiny on 8
+logical CPU devices with Grappler off, 3 s with it on, whatever the checkpoint's size;
+this writer's copy, check and write take 0.2-0.3 s there.
 
 TensorFlow's own asynchronous checkpoint (`CheckpointOptions(experimental_enable_async_
 checkpoint=True)`) is not used: its helper merges every host's files from each host's own
@@ -61,11 +67,20 @@ class BackgroundWriter:
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self._graph: tuple[int, bytes] | None = None  # (number of variables, the object graph made for them)
+        self._count = 0  # variables in the latest snapshot
         self._exit_hook = False
         self._cpu = dtensor.local_devices("CPU")[0].to_string()
 
-    def start(self, prefix: str, on_complete: Callable[[str], None]) -> tuple[float, int]:
-        """Copies this host's shards off the devices, then writes checkpoint `prefix` in the background.
+    def snapshot(self) -> list[tuple[str, str, tf.Tensor]]:
+        """Copies this host's shards of every saved variable off the devices: [(checkpoint
+        key, slice spec, host copy)] (the object graph comes at `start`)."""
+        variables = compat.checkpoint_objects(self._ckpt)
+        self._count = len(variables)  # the object graph `start` writes is made for these
+        return self.copy(variables)
+
+    def start(self, prefix: str, on_complete: Callable[[str], None], entries=None) -> tuple[float, int]:
+        """Writes checkpoint `prefix` of this host's shards in the background (`entries` from
+        `snapshot`, else copied off the devices now).
 
         `on_complete(prefix)` runs in the background thread once the checkpoint is whole.
         Waits for the previous write first (and raises its error).
@@ -75,9 +90,9 @@ class BackgroundWriter:
         """
         self.wait()
         started = time.time()
-        variables = compat.checkpoint_objects(self._ckpt)
-        entries = self._snapshot(variables)
-        graph = self._object_graph(len(variables)) if self._host == 0 else None
+        if entries is None:
+            entries = self.snapshot()
+        graph = self._object_graph(self._count) if self._host == 0 else None
         held = sum(t.shape.num_elements() * t.dtype.size for _, _, t in entries)
         copied = time.time() - started
         # A daemon thread: training's own waits (the next save, a restore, SIGTERM, the end)
@@ -106,7 +121,7 @@ class BackgroundWriter:
         if self._thread is not None and self._thread.is_alive():
             self._thread.join(None if self._hosts == 1 else multi_host_grace_s)
 
-    def _snapshot(self, variables: dict) -> list[tuple[str, str, tf.Tensor]]:
+    def copy(self, variables: dict) -> list[tuple[str, str, tf.Tensor]]:
         """[(checkpoint key, slice spec, host copy)] of the shards of `variables` ({key:
         variable}) this host writes."""
         entries = []
