@@ -235,14 +235,16 @@ class CheckpointManager:
         """
         self.wait()  # a background write first frees its copy
         step = int(self._step.numpy())
+        started = time.time()
         entries = self._writer.snapshot()
+        copied = time.time() - started
         bad = sorted({key.split("/.ATTRIBUTES")[0] for key, _, value in entries
                       if value.dtype.is_floating and not np.isfinite(value.numpy()).all()})
         found = bool(bad) if dtensor.num_clients() == 1 else any_host(self._step_mesh, bool(bad))
         if found:
             self._checked = None
             raise NonfiniteState(step, bad or ["(on another host)"], self.latest)
-        self._checked = (step, entries)
+        self._checked = (step, entries, copied)
 
     def save(self, checked: bool = False) -> str:
         """Writes a checkpoint of the current step, never of non-finite state (NonfiniteState).
@@ -258,7 +260,7 @@ class CheckpointManager:
         step = int(self._step.numpy())
         if not checked or self._checked is None or self._checked[0] != step:
             self.check_finite()
-        entries, self._checked = self._checked[1], None
+        (_, entries, copied), self._checked = self._checked, None
         self.wait()
         started = time.time()
         try:
@@ -267,7 +269,7 @@ class CheckpointManager:
                 counter = self._writer.copy({SAVE_COUNTER: self._ckpt.save_counter})
                 entries = [e for e in entries if e[0] != SAVE_COUNTER] + counter
                 path = os.path.join(self.directory, f"ckpt-{step}")
-                copied, held = self._writer.start(path, lambda p: compat.record_checkpoint(self._manager, p), entries)
+                _, held = self._writer.start(path, lambda p: compat.record_checkpoint(self._manager, p), entries)
                 del entries
                 if not self._async:
                     self._writer.wait()
