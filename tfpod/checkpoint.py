@@ -269,7 +269,7 @@ class CheckpointManager:
                 counter = self._writer.copy({SAVE_COUNTER: self._ckpt.save_counter})
                 entries = [e for e in entries if e[0] != SAVE_COUNTER] + counter
                 path = os.path.join(self.directory, f"ckpt-{step}")
-                _, held = self._writer.start(path, lambda p: compat.record_checkpoint(self._manager, p), entries)
+                held = self._writer.start(path, lambda p: compat.record_checkpoint(self._manager, p), entries)
                 del entries
                 if not self._async:
                     self._writer.wait()

@@ -78,23 +78,16 @@ class BackgroundWriter:
         self._count = len(variables)  # the object graph `start` writes is made for these
         return self.copy(variables)
 
-    def start(self, prefix: str, on_complete: Callable[[str], None], entries=None) -> tuple[float, int]:
-        """Writes checkpoint `prefix` of this host's shards in the background (`entries` from
-        `snapshot`, else copied off the devices now).
+    def start(self, prefix: str, on_complete: Callable[[str], None], entries: list) -> int:
+        """Writes checkpoint `prefix` of this host's shards (`entries`, from `snapshot`) in
+        the background; returns the bytes they hold in host memory.
 
         `on_complete(prefix)` runs in the background thread once the checkpoint is whole.
         Waits for the previous write first (and raises its error).
-
-        Returns:
-          The seconds the copy took and the bytes it holds in host memory.
         """
         self.wait()
-        started = time.time()
-        if entries is None:
-            entries = self.snapshot()
         graph = self._object_graph(self._count) if self._host == 0 else None
         held = sum(t.shape.num_elements() * t.dtype.size for _, _, t in entries)
-        copied = time.time() - started
         # A daemon thread: training's own waits (the next save, a restore, SIGTERM, the end)
         # finish a write; a process leaving on an error finishes it at exit (`_at_exit`).
         self._thread = threading.Thread(target=self._write, args=(prefix, entries, graph, on_complete),
@@ -103,7 +96,7 @@ class BackgroundWriter:
         if not self._exit_hook:
             atexit.register(self._at_exit)
             self._exit_hook = True
-        return copied, held
+        return held
 
     def wait(self) -> None:
         """Blocks until the write started last is complete; raises what it failed with."""
