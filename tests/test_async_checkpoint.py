@@ -56,8 +56,8 @@ def test_kill9_while_a_checkpoint_is_written_resumes_from_the_one_before(tmp_pat
     np.testing.assert_allclose([l for _, l in after], [l for _, l in before], rtol=1e-6)
 
 
-def small_run(model_dir, mesh, preset, **sharding):
-    """A Controller of test_train's small gpt for 2 steps (a save only at the end)."""
+def small_run(model_dir, mesh, preset, blocks=1, **sharding):
+    """A Controller of test_train's small gpt with `blocks` blocks for 2 steps (a save only at the end)."""
     from conftest import make_run
     from test_train import SMALL as SMALL_GPT
 
@@ -68,15 +68,16 @@ def small_run(model_dir, mesh, preset, **sharding):
     train = TrainConfig(steps=2, global_batch_size=16, steps_per_loop=2, log_every=2, checkpoint_every=100,
                         synthetic_data=True, seed=1)
     opt = optimizers.OptimizerConfig(learning_rate=1e-2, warmup_steps=0, decay_steps=8)
-    return make_run(gpt.TASK, gpt.GPTConfig(**SMALL_GPT), train, opt, mesh, model_dir, preset=preset, **sharding)
+    return make_run(gpt.TASK, gpt.GPTConfig(**{**SMALL_GPT, "num_layers": blocks}), train, opt, mesh, model_dir,
+                    preset=preset, **sharding)
 
 
-def write_both_ways(tmp_path, mesh, preset, **sharding):
+def write_both_ways(tmp_path, mesh, preset, blocks, **sharding):
     """One trained state written by TensorFlow's own sharded save (tf/), tfpod's synchronous
     save (sync/) and its background writer (async/)."""
     import tensorflow as tf
 
-    run = small_run(tmp_path / "sync", mesh, preset, **sharding)
+    run = small_run(tmp_path / "sync", mesh, preset, blocks, **sharding)
     run.train()  # its last step is saved synchronously
     ours, saves = str(tmp_path / "sync" / "checkpoints" / "ckpt-2"), int(run.checkpoints._ckpt.save_counter.numpy())
     with run.checkpoints._mesh():  # DTensor's SaveV2 on the mesh, as tf.train.Checkpoint writes it
@@ -115,14 +116,15 @@ def test_synchronous_and_background_checkpoints_hold_what_tensorflows_own_save_d
 
     from tfpod import runtime
 
-    sync, background, run, manager = write_both_ways(tmp_path, mesh, preset)
+    blocks = 2 if mesh.startswith("stage:") else 1  # a block per pipeline stage
+    sync, background, run, manager = write_both_ways(tmp_path, mesh, preset, blocks)
     assert_same_checkpoint(sync, background, int(manager._ckpt.save_counter.numpy()))
     # one host's part, merged; nothing temporary left
     assert sorted(os.listdir(tmp_path / "async" / "checkpoints")) == ["checkpoint", "ckpt-2.data-00000-of-00001",
                                                                      "ckpt-2.index"]
     assert tf.train.latest_checkpoint(str(tmp_path / "async" / "checkpoints")) == background
     # A run on another mesh and preset resumes from it with the same weights.
-    other = small_run(tmp_path / "async", "data:8", "data")
+    other = small_run(tmp_path / "async", "data:8", "data", blocks)
     assert other.checkpoints.restore_latest() == 2
     whole = lambda v: runtime.to_host(dtensor.relayout(v.read_value(), dtensor.Layout.replicated(
         dtensor.fetch_layout(v.read_value()).mesh, len(v.shape))))

@@ -4,6 +4,7 @@
 import json
 import math
 import os
+import shutil
 import subprocess
 
 import numpy as np
@@ -79,21 +80,34 @@ def eval_record(model_dir):
     return [json.loads(l) for l in open(os.path.join(model_dir, "metrics.jsonl")) if '"eval"' in l][-1]
 
 
-def test_same_metrics_and_exact_count_on_1_device_8_devices_and_2_hosts(tmp_path):
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """train_and_eval on data:8, 4 steps, an eval of 167 rows at steps 2 and 4 (checkpoints at
+    both): (its model_dir, its result)."""
+    base = tmp_path_factory.mktemp("trained")
+    corpus = prepare.ensure()
+    source = sorted(tf.io.gfile.glob(prepare.split_paths(corpus, "eval")))[0]
+    one_file = "lm_data.eval_files='%s'" % eval_subset(base / "eval.tfrecord", source, range(1, 5))  # 167 rows
+    params = SMALL + [one_file, "train.eval_every=2", "train.steps=4"]
+    out = run(["gin/lm_tiny.gin"], params, str(base / "a"), mode="train_and_eval", mesh_spec="data:8")
+    return base / "a", params, out
+
+
+def test_same_metrics_and_exact_count_on_1_device_8_devices_and_2_hosts(tmp_path, trained):
     """The eval set: two files of the corpus's eval documents (72 and 133 rows), one per host:
-    the hosts run different numbers of batches, one of them ending in a short batch."""
+    the hosts run different numbers of batches, one of them ending in a short batch. (The
+    checkpoint: the trained run's step 4, in a copy of its folder.)"""
     corpus = prepare.ensure()
     source = sorted(tf.io.gfile.glob(prepare.split_paths(corpus, "eval")))
     files = [eval_subset(tmp_path / "eval-00000-of-00002.tfrecord", source[0], range(1, 4)),
              eval_subset(tmp_path / "eval-00001-of-00002.tfrecord", source[1], range(3))]
     eval_param = "lm_data.eval_files='%s'" % ",".join(files)
     d = tmp_path / "run"
-    run(["gin/lm_tiny.gin"], SMALL + ["train.steps=2", "train.synthetic_data=True"], str(d),
-        mesh_spec="data:4,model:2")  # (a checkpoint to evaluate)
+    shutil.copytree(trained[0], d)
 
     eight = run(["gin/lm_tiny.gin"], SMALL + [eval_param], str(d), mode="eval", mesh_spec="data:2,model:4")
     truth = expected_examples(files)
-    assert eight["num_examples"] == truth
+    assert eight["num_examples"] == truth and eight["step"] == 4
     assert truth % 16 and truth % 2  # the set divides neither the batch nor the host count
     assert sorted(expected_examples([f]) for f in files) == [72, 133]  # one host's share ends in a short batch
 
@@ -107,20 +121,17 @@ def test_same_metrics_and_exact_count_on_1_device_8_devices_and_2_hosts(tmp_path
     assert two.returncode == 0, (two.stdout + two.stderr)[-2000:]
     two_rec = eval_record(d)
     for rec in (one_rec, two_rec):
-        assert rec["num_examples"] == truth and rec["step"] == 2, (one_rec, two_rec)
+        assert rec["num_examples"] == truth and rec["step"] == 4, (one_rec, two_rec)
         for key in ("loss", "perplexity", "token_accuracy"):
             assert rec[key] == pytest.approx(eight[key], rel=1e-5), (key, rec, eight)
 
 
-def test_train_and_eval_alternates_and_stops_at_the_target(tmp_path):
-    corpus = prepare.ensure()
-    source = sorted(tf.io.gfile.glob(prepare.split_paths(corpus, "eval")))[0]
-    one_file = "lm_data.eval_files='%s'" % eval_subset(tmp_path / "eval.tfrecord", source, range(1, 5))  # 167 rows
-    params = SMALL + [one_file, "train.eval_every=2", "train.steps=4"]
-    out = run(["gin/lm_tiny.gin"], params, str(tmp_path / "a"), mode="train_and_eval", mesh_spec="data:8")
-    evals = [json.loads(l) for l in open(tmp_path / "a" / "metrics.jsonl") if '"eval"' in l]
-    assert [e["step"] for e in evals] == [2, 4] and out["step"] == 4
+def test_train_and_eval_alternates_and_stops_at_the_target(tmp_path, trained):
+    a, params, out = trained
+    evals = [json.loads(l) for l in open(a / "metrics.jsonl") if '"eval"' in l]
+    assert [e["step"] for e in evals[:2]] == [2, 4] and out["step"] == 4
     assert evals[0]["num_examples"] == evals[1]["num_examples"] > 0
+    shutil.copytree(a, tmp_path / "a")  # (the trained folder stays as it was)
     given = run(["gin/lm_tiny.gin"], params, str(tmp_path / "a"), mode="eval", mesh_spec="data:4,model:2",
                 checkpoint=str(tmp_path / "a" / "checkpoints" / "ckpt-2"))  # a given, older checkpoint
     assert given["step"] == 2 and given["loss"] == pytest.approx(evals[0]["loss"], rel=1e-5)

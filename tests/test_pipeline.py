@@ -98,8 +98,8 @@ def test_checkpoints_move_between_pipelined_and_unpipelined_meshes(tmp_path, ref
 
 
 def test_moe_pipelines_with_its_aux_loss(tmp_path):
-    config = moe.MoEConfig(vocab_size=256, seq_len=32, num_layers=4, embed_dim=64, num_heads=8, mlp_dim=128,
-                           num_experts=4, expert_mlp_dim=64, moe_every=2, group_size=16)
+    config = moe.MoEConfig(vocab_size=256, seq_len=32, num_layers=2, embed_dim=64, num_heads=8, mlp_dim=128,
+                           num_experts=4, expert_mlp_dim=64, moe_every=2, group_size=16)  # stage 1's block is the MoE
     plain = make(tmp_path / "plain", "data:8", task=moe.TASK, config=config, preset="data", steps=2)
     piped = make(tmp_path / "piped", "stage:2,data:4", 2, "1f1b", task=moe.TASK, config=config, preset="data", steps=2)
     assert_same_losses(piped.train()["losses"], np.array(plain.train()["losses"]))

@@ -14,7 +14,7 @@ from tfpod.api import run
 from tfpod.controller import Controller, TrainConfig
 from tfpod.mesh import make_mesh
 from tfpod.models import gpt
-SMALL = dict(vocab_size=256, seq_len=32, num_layers=2, embed_dim=64, num_heads=8, mlp_dim=128)
+SMALL = dict(vocab_size=256, seq_len=32, num_layers=1, embed_dim=64, num_heads=8, mlp_dim=128)
 
 
 def train(model_dir, mesh, steps=4, preset="tensor", model=None, opt=None, **train_kw):
