@@ -74,7 +74,8 @@ def small_run(model_dir, mesh, preset, blocks=1, **sharding):
 
 def write_both_ways(tmp_path, mesh, preset, blocks, **sharding):
     """One trained state written by TensorFlow's own sharded save (tf/), tfpod's synchronous
-    save (sync/) and its background writer (async/)."""
+    save (sync/) and its background writer (async/): (TensorFlow's path, the background
+    one, the run, the save count the background save wrote)."""
     import tensorflow as tf
 
     run = small_run(tmp_path / "sync", mesh, preset, blocks, **sharding)
@@ -86,8 +87,9 @@ def write_both_ways(tmp_path, mesh, preset, blocks, **sharding):
     background = checkpoint.CheckpointManager(str(tmp_path / "async"), run.trainer.step, async_save=True,
                                               model=run.trainer.model, optimizer=run.trainer.optimizer)
     path = background.save()
+    counted = int(background._ckpt.save_counter.numpy())  # what this save wrote (read before anything else runs)
     background.wait()
-    return reference, path, run, background
+    return reference, path, run, counted
 
 
 def assert_same_checkpoint(sync, background, saves: int):
@@ -117,8 +119,8 @@ def test_synchronous_and_background_checkpoints_hold_what_tensorflows_own_save_d
     from tfpod import runtime
 
     blocks = 2 if mesh.startswith("stage:") else 1  # a block per pipeline stage
-    sync, background, run, manager = write_both_ways(tmp_path, mesh, preset, blocks)
-    assert_same_checkpoint(sync, background, int(manager._ckpt.save_counter.numpy()))
+    sync, background, run, counted = write_both_ways(tmp_path, mesh, preset, blocks)
+    assert_same_checkpoint(sync, background, counted)
     # one host's part, merged; nothing temporary left
     assert sorted(os.listdir(tmp_path / "async" / "checkpoints")) == ["checkpoint", "ckpt-2.data-00000-of-00001",
                                                                      "ckpt-2.index"]
