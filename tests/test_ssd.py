@@ -226,20 +226,20 @@ def _eval_ap(trained, tmp_path, name, command):
     return evals[-1]
 
 
-def test_the_same_ap_on_8_devices_and_2_hosts(trained, tmp_path):
-    """The trained checkpoint (evaluated by the run on data:8) evaluated again on 2 local hosts
-    x 4 devices: every eval image counted once, the detections gathered to host 0, the same
-    COCO AP. (One device against 8 and 2 hosts, for the metrics every task shares:
-    test_eval.py.)"""
-    from conftest import launch_command
+def test_the_same_ap_on_1_device_8_devices_and_2_hosts(trained, tmp_path):
+    """The trained checkpoint evaluated on 1 device and on 2 local hosts x 4 devices: every
+    eval image counted once, the detections gathered to host 0, the same COCO AP."""
+    from conftest import launch_command, main_command
 
     evals = [json.loads(line) for line in open(os.path.join(trained, "metrics.jsonl")) if '"eval"' in line]
     ref = evals[-1]
     args = ["--gin_file=gin/ssd_tiny.gin", "--model_dir=MODEL_DIR", "--mode=eval"]
-    got = _eval_ap(trained, tmp_path, "hosts", launch_command(2, 4, *args, "--mesh=data:8"))
-    assert got["step"] == ref["step"] and got["coco_images"] == ref["coco_images"] == 128
-    for name in ssd_eval.AP_NAMES:
-        assert abs(got[name] - ref[name]) <= 1e-6, (name, got[name], ref[name])
+    one = _eval_ap(trained, tmp_path, "one", main_command(*args, "--cpu_devices=1", "--mesh=data:1"))
+    hosts = _eval_ap(trained, tmp_path, "hosts", launch_command(2, 4, *args, "--mesh=data:8"))
+    for got in (one, hosts):
+        assert got["step"] == ref["step"] and got["coco_images"] == ref["coco_images"] == 128
+        for name in ssd_eval.AP_NAMES:
+            assert abs(got[name] - ref[name]) <= 1e-6, (name, got[name], ref[name])
 
 
 def test_spatial_equals_data(tmp_path):
