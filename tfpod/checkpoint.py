@@ -264,9 +264,13 @@ class CheckpointManager:
         self.wait()
         started = time.time()
         try:
+            # The count of saves, as tf.train.CheckpointManager's save counts, outside the mesh: it
+            # is a plain variable on this host's CPU, and under a default mesh each of the mesh's
+            # devices added its own 1 to it, racing (a save counted 6 to 8, and its copy could
+            # read the count before the last of them).
+            self._ckpt.save_counter.assign_add(1)
+            counter = self._writer.copy({SAVE_COUNTER: self._ckpt.save_counter})
             with self._mesh():
-                self._ckpt.save_counter.assign_add(1)  # as tf.train.CheckpointManager's save counts
-                counter = self._writer.copy({SAVE_COUNTER: self._ckpt.save_counter})
                 entries = [e for e in entries if e[0] != SAVE_COUNTER] + counter
                 path = os.path.join(self.directory, f"ckpt-{step}")
                 held = self._writer.start(path, lambda p: compat.record_checkpoint(self._manager, p), entries)
