@@ -96,3 +96,20 @@ def make_run(task, model_config, train_config, optimizer_config, mesh, model_dir
     placement = partitioning.Placement.from_config(config, task.default_preset, mesh, check=False)
     return api.controller(task, model_config, train_config, optimizer_config, placement, str(model_dir),
                           schedule=config.pipeline_schedule)
+
+
+GOLDEN = os.path.join(os.path.dirname(os.path.abspath(__file__)), "golden")
+
+
+def assert_golden_layouts(report: str, name: str) -> None:
+    """A run's layout report (its weights and optimizer state: layouts.txt) equals
+    tests/golden/layouts_NAME.txt, so that a layout change shows as a diff. The tests that
+    train each model on each preset check their own run's report (no model is built only
+    for this). Regenerate with TFPOD_UPDATE_GOLDEN=1 after a deliberate change."""
+    path = os.path.join(GOLDEN, f"layouts_{name}.txt")
+    if os.environ.get("TFPOD_UPDATE_GOLDEN"):
+        os.makedirs(GOLDEN, exist_ok=True)
+        with open(path, "w") as f:
+            f.write(report)
+    with open(path) as f:
+        assert report == f.read(), f"{path}: the layouts changed (TFPOD_UPDATE_GOLDEN=1 rewrites it)"

@@ -12,7 +12,7 @@ import tensorflow as tf
 
 from tfpod import UserError, optimizers
 from tfpod.input import bert_data
-from conftest import make_run
+from conftest import assert_golden_layouts, make_run
 from tfpod.api import run
 from tfpod.controller import TrainConfig
 from tfpod.input.common import ShardInfo
@@ -138,6 +138,7 @@ def test_tiny_config_trains_and_evaluates_on_8_devices(tmp_path):
     assert all(r["mfu"] > 0 for r in records if r["kind"] == "train")
     report = open(tmp_path / "layouts.txt").read()
     assert "# bert variables on mesh data:4,model:2" in report
+    assert_golden_layouts(report, "bert_tensor_data4_model2")
     rows = {line.split()[0]: line for line in report.splitlines() if line.strip() and not line.startswith("#")}
     assert "[model, unsharded]" in rows["bert/encoder/word_embeddings/embeddings"]  # vocab-parallel, tied
     assert "[unsharded, model]" in rows["bert/encoder/transformer/layer_0/intermediate/kernel"]

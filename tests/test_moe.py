@@ -9,7 +9,7 @@ import tensorflow as tf
 import tf_keras
 from tensorflow.experimental import dtensor
 
-from conftest import make_run
+from conftest import assert_golden_layouts, make_run
 from tfpod import UserError, optimizers, partitioning
 from tfpod.api import run
 from tfpod.mesh import make_mesh
@@ -126,11 +126,14 @@ def train(model_dir, mesh, preset, steps=4):
 def runs(tmp_path_factory):
     """The same 4 steps data parallel on data:8 and expert-parallel on data:2,expert:4."""
     base = tmp_path_factory.mktemp("moe")
-    return {
+    runs = {
         "data": train(base / "data", make_mesh("data:8"), "data"),
         "expert": train(base / "expert", make_mesh("data:2,expert:4"), "tensor"),
         "dir": base / "expert",
     }
+    assert_golden_layouts(runs["data"][0].layout_report(), "moe_data_data8")
+    assert_golden_layouts(runs["expert"][0].layout_report(), "moe_tensor_data2_expert4")
+    return runs
 
 
 def test_expert_parallel_loss_equals_data_parallel(runs):

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from tensorflow.experimental import dtensor
 
-from conftest import make_run
+from conftest import assert_golden_layouts, make_run
 from tfpod import optimizers, partitioning
 from tfpod.controller import Controller, TrainConfig
 from tfpod.mesh import make_mesh
@@ -33,6 +33,7 @@ def make(model_dir, spec, preset, steps=4, sequence_parallel=False, model=None, 
 def reference(tmp_path_factory):
     """The data-parallel run: its trainer and its 4 losses."""
     trainer = make(tmp_path_factory.mktemp("data"), "data:8", "data")
+    assert_golden_layouts(trainer.trainer.layout_report(), "gpt_data_data8")
     return trainer, np.array(trainer.train()["losses"])
 
 
@@ -52,6 +53,7 @@ def device_bytes(run, names, state=False):
 def test_tensor_splits_heads_mlp_and_vocab_over_model(tmp_path, reference):
     ref, ref_losses = reference
     trainer = make(tmp_path, "data:2,model:4", "tensor")
+    assert_golden_layouts(trainer.trainer.layout_report(), "gpt_tensor_data2_model4")
     assert_same_losses(trainer.train()["losses"], ref_losses)
     mlp = lambda n: "/intermediate/" in n or "/output/kernel" in n
     assert device_bytes(trainer, mlp) * 4 == device_bytes(ref, mlp)
@@ -66,6 +68,7 @@ def test_tensor_splits_heads_mlp_and_vocab_over_model(tmp_path, reference):
 def test_2d_also_splits_weights_over_data_and_gathers_them_where_used(tmp_path, reference):
     ref, ref_losses = reference
     trainer = make(tmp_path, "data:4,model:2", "2d")
+    assert_golden_layouts(trainer.trainer.layout_report(), "gpt_2d_data4_model2")
     assert_same_losses(trainer.train()["losses"], ref_losses)
     kernel = trainer.trainer.model.blocks[0].intermediate.kernel
     assert dtensor.fetch_layout(kernel).sharding_specs == ["data", "model"]
@@ -81,6 +84,7 @@ def test_weight_update_shards_optimizer_state_over_data_and_checkpoints_portably
     """data:8: weights replicated, Adam slots and the update divided by 8; the checkpoint resumes under `data`."""
     ref, ref_losses = reference
     trainer = make(tmp_path, "data:8", "weight_update", steps=2)
+    assert_golden_layouts(trainer.trainer.layout_report(), "gpt_weight_update_data8")
     assert_same_losses(trainer.train()["losses"], ref_losses[:2])
     slots = lambda n: n.endswith("/m") or n.endswith("/v")
     assert device_bytes(trainer, slots, state=True) * 8 == device_bytes(ref, slots, state=True)

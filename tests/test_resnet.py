@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from conftest import make_run
+from conftest import assert_golden_layouts, make_run
 from tfpod import UserError, optimizers, partitioning
 from tfpod.input import images
 from tfpod.input.common import ShardInfo
@@ -161,3 +161,4 @@ def test_tiny_config_trains_and_evaluates(tmp_path):
     assert 0.0 <= evals[-1]["top1_accuracy"] <= evals[-1]["top5_accuracy"] <= 1.0
     train = [r for r in records if r["kind"] == "train"]
     assert train and train[-1]["examples_per_sec"] > 0 and np.isfinite(train[-1]["loss"])
+    assert_golden_layouts(open(os.path.join(model_dir, "layouts.txt")).read(), "resnet_data_data8")

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+from conftest import assert_golden_layouts
 from tfpod import UserError, compat
 from tfpod.input import boxes as boxes_lib, detection, detection_demo
 from tfpod.input.common import ShardInfo
@@ -167,6 +168,7 @@ def trained(tmp_path_factory):
 
     model_dir = str(tmp_path_factory.mktemp("ssd") / "run")
     run(["gin/ssd_tiny.gin"], [], model_dir, mode="train_and_eval")
+    assert_golden_layouts(open(os.path.join(model_dir, "layouts.txt")).read(), "ssd_data_data8")
     return model_dir
 
 

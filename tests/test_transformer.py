@@ -15,6 +15,7 @@ import pytest
 import sacrebleu
 import tensorflow as tf
 
+from conftest import assert_golden_layouts
 from tfpod import UserError, evaluation
 from tfpod.input import prepare, translation
 from tfpod.input.common import ShardInfo
@@ -202,6 +203,7 @@ def tiny_runs(tmp_path_factory):
                      mesh_spec=mesh)
         records = [json.loads(line) for line in open(model_dir / "metrics.jsonl")]
         out[name] = (result, records, (model_dir / "layouts.txt").read_text(), model_dir)
+        assert_golden_layouts(out[name][2], f"transformer_{name}_{mesh.replace(':', '').replace(',', '_')}")
     return out
 
 
