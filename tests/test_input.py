@@ -94,7 +94,7 @@ def test_prepared_corpus_splits_by_file_and_round_trips(corpus):
 
 
 def dataset(corpus, host_rows=4, num_hosts=1, host_id=0, seed=0, **cfg):
-    data = lm_data.LMDataConfig(**cfg)
+    data = lm_data.LMDataConfig(**{"shuffle_buffer": 128, **cfg})  # (a smaller buffer fills faster)
     where = lm_data.resolve(data)
     return lm_data.lm_dataset(data, where.train_files, where.vocab_path, 64, host_rows, ShardInfo(host_id, num_hosts), seed,
                               2048)

@@ -55,8 +55,8 @@ def assert_same_losses(losses, reference_losses):
 
 @pytest.mark.parametrize("spec,microbatches,schedule,options", [
     ("stage:2,data:2,model:2", 4, "1f1b", {"sequence_parallel": True, "remat": True}),
-    ("stage:4,data:2", 8, "gpipe", {}),
-], ids=["stage2-data2-model2-M4-1f1b-sp-remat", "stage4-data2-M8-gpipe"])
+    ("stage:4,data:2", 4, "gpipe", {}),
+], ids=["stage2-data2-model2-M4-1f1b-sp-remat", "stage4-data2-M4-gpipe"])
 def test_pipelines_train_the_data_parallel_losses(tmp_path, reference, spec, microbatches, schedule, options):
     options = dict(options)
     config = gpt.GPTConfig(**SMALL, remat=options.pop("remat", False))
