@@ -432,22 +432,6 @@ def pack_segments(ds: tf.data.Dataset, seq_len: int, pad_id: int = 0, block_docs
     return blocks.scan(initial, pack).unbatch()
 
 
-class _SeededMaskValuesChooser(tf_text.MaskValuesChooser):
-    """tf_text's 80/10/10 MaskValuesChooser, drawing from stateless ops with a given seed."""
-
-    def __init__(self, vocab_size: int, mask_token: int, seed: tf.Tensor):
-        super().__init__(vocab_size, mask_token, mask_token_rate=0.8, random_token_rate=0.1)
-        self._seeds = tf.random.experimental.stateless_split(seed, 2)  # [2, 2]
-
-    def get_mask_values(self, masked_lm_ids: tf.RaggedTensor) -> tf.RaggedTensor:
-        ids = masked_lm_ids.flat_values
-        u = tf.random.stateless_uniform(tf.shape(ids), self._seeds[0])
-        random_ids = tf.random.stateless_uniform(tf.shape(ids), self._seeds[1], 0, self.vocab_size, ids.dtype)
-        mask = tf.fill(tf.shape(ids), tf.cast(self.mask_token, ids.dtype))
-        values = tf.where(u < 0.8, mask, tf.where(u < 0.9, random_ids, ids))
-        return masked_lm_ids.with_flat_values(values)
-
-
 def mask_for_mlm(
     ds: tf.data.Dataset,
     seq_len: int,
@@ -471,7 +455,7 @@ def mask_for_mlm(
       max_predictions: most masked positions per row.
       mask_rate: fraction of a row's tokens selected for prediction (rounded up).
       seed: masks are a function of (seed, input order, batch_size) only.
-      batch_size: rows masked per call of the tf_text ops (speed; it keys the randomness).
+      batch_size: rows masked per step (speed; it keys the randomness).
 
     Returns:
       Dataset of the create_pretraining_data.py features; see the module docstring.
@@ -483,27 +467,51 @@ def mask_for_mlm(
         raise UserError(f"mask_rate={mask_rate} must be in (0, 1]")
 
     def mask(index: tf.Tensor, batch: tf.Tensor) -> dict[str, tf.Tensor]:
-        body = _docs(batch)[:, : seq_len - 2]  # [B, (n)]
-        ends = tf.ones([body.nrows(), 1], tf.int32)  # [B, 1]
-        rows = tf.concat([ends * cls_id, body, ends * sep_id], axis=1)  # [B, (n + 2)]
+        # Dense ops that draw exactly what tf_text's RandomItemSelector and mask_language_model
+        # drew over the ragged rows [CLS] tokens [SEP] (same keys, same flat order), at a
+        # fraction of their trace cost.
+        size, width = tf.shape(batch, tf.int64)[0], tf.shape(batch)[1]  # B, longest
+        column = tf.range(seq_len)  # [seq_len]
+        # Tokens per row, up to the last id that is not -1 padding (as `_docs` reads them);
+        # clipping also gives 0 for a [B, 0] batch of empty documents.
+        n = tf.reduce_max(tf.where(batch != -1, tf.range(1, width + 1), 0), axis=1, keepdims=True)  # [B, 1]
+        n = tf.clip_by_value(n, 0, seq_len - 2)
+        tokens = tf.pad(batch[:, : seq_len - 2], [[0, 0], [1, seq_len - 1 - tf.minimum(width, seq_len - 2)]])
+        # [B, seq_len]: [CLS] tokens [SEP] pad_id...; token t is at column t + 1.
+        rows = tf.where(column == 0, cls_id, tf.where(column <= n, tokens, tf.where(column == n + 1, sep_id, pad_id)))
+        in_row = column < n + 2  # [B, seq_len]: not padding
+        slots = tf.where(in_row)  # [T, 2] (row, column), row-major: the order the random keys are drawn in
         key = tf.random.experimental.stateless_split(tf.stack([tf.constant(seed, tf.int64), index]), 2)  # [2, 2]
-        order = tf.random.stateless_uniform(tf.shape(rows.flat_values), key[0])  # a sort key per token
+        order = tf.random.stateless_uniform(tf.shape(slots)[:1], key[0])  # [T] a sort key in [0, 1) per token
+        order = tf.scatter_nd(slots, order, [size, seq_len])  # [B, seq_len]
 
-        def shuffle(positions: tf.Tensor) -> tf.Tensor:  # positions index rows.flat_values
-            return tf.gather(positions, tf.argsort(tf.gather(order, positions)))
+        # Selection: num of a row's selectable tokens, those first by `order` (ties: the lower
+        # column first, as argsort breaks them); [CLS], [SEP] and pad_id (padding too) never.
+        selectable = (rows != cls_id) & (rows != sep_id) & (rows != pad_id)  # [B, seq_len]
+        count = tf.reduce_sum(tf.cast(selectable, tf.float32), axis=1)  # [B]
+        num = tf.minimum(tf.math.ceil(count * mask_rate), max_predictions)  # [B] float32 arithmetic, as tf_text
+        by_order = tf.argsort(tf.where(selectable, order, 2.0))  # [B, seq_len] columns, unselectable last
+        selected = tf.argsort(by_order) < tf.cast(num, tf.int32)[:, None]  # [B, seq_len]: rank < num
+        picks = tf.where(selected)  # [S, 2] (row, column), row-major
+        labels = tf.gather_nd(rows, picks)  # [S] original ids
 
-        selector = tf_text.RandomItemSelector(
-            max_predictions, mask_rate, unselectable_ids=[cls_id, sep_id, pad_id], shuffle_fn=shuffle
-        )
-        chooser = _SeededMaskValuesChooser(vocab_size, mask_id, key[1])
-        masked, positions, labels = tf_text.mask_language_model(rows, selector, chooser)
+        # 80% [MASK], 10% a random id, 10% unchanged, keyed by the flat index of the pick.
+        seeds = tf.random.experimental.stateless_split(key[1], 2)  # [2, 2]
+        u = tf.random.stateless_uniform(tf.shape(labels), seeds[0])  # [S]
+        random_ids = tf.random.stateless_uniform(tf.shape(labels), seeds[1], 0, vocab_size, tf.int32)  # [S]
+        values = tf.where(u < 0.8, mask_id, tf.where(u < 0.9, random_ids, labels))  # [S]
+
+        # Predictions fill slots 0.. of their row in ascending column order.
+        slot = tf.gather_nd(tf.cumsum(tf.cast(selected, tf.int64), axis=1, exclusive=True), picks)  # [S]
+        predictions = tf.stack([picks[:, 0], slot], axis=1)  # [S, 2] (row, slot)
+        shape = [size, max_predictions]
         return {
-            "input_ids": masked.to_tensor(pad_id, shape=[None, seq_len]),
-            "input_mask": tf.ones_like(rows).to_tensor(0, shape=[None, seq_len]),
-            "segment_ids": tf.zeros([rows.nrows(), seq_len], tf.int32),
-            "masked_lm_positions": tf.cast(positions, tf.int32).to_tensor(0, shape=[None, max_predictions]),
-            "masked_lm_ids": labels.to_tensor(pad_id, shape=[None, max_predictions]),
-            "masked_lm_weights": tf.ones_like(labels, tf.float32).to_tensor(0.0, shape=[None, max_predictions]),
+            "input_ids": tf.tensor_scatter_nd_update(rows, picks, values),
+            "input_mask": tf.cast(in_row, tf.int32),
+            "segment_ids": tf.zeros_like(rows),
+            "masked_lm_positions": tf.scatter_nd(predictions, tf.cast(picks[:, 1], tf.int32), shape),
+            "masked_lm_ids": tf.tensor_scatter_nd_update(tf.fill(shape, pad_id), predictions, labels),
+            "masked_lm_weights": tf.scatter_nd(predictions, tf.ones(tf.shape(labels)), shape),
         }
 
     batches = _doc_batches(ds, batch_size).enumerate()
