@@ -133,6 +133,36 @@ def test_collectives_and_links():
     assert memory.in_flight(4, 16, "gpipe") == 16 and memory.in_flight(4, 16, "1f1b") == 4
 
 
+@pytest.mark.unit
+@pytest.mark.parametrize("task_name,model,precision", [
+    ("gpt", dict(vocab_size=256, seq_len=16, num_layers=3, embed_dim=32, num_heads=4, mlp_dim=64, remat=True),
+     "mixed_bfloat16"),
+    ("moe", dict(vocab_size=256, seq_len=16, num_layers=4, embed_dim=32, num_heads=4, mlp_dim=64, num_experts=4,
+                 expert_mlp_dim=32, moe_every=2, group_size=16), "float32"),
+    ("bert", dict(vocab_size=256, seq_len=16, max_predictions=4, num_layers=3, hidden_size=32, num_heads=4,
+                  intermediate_size=64), "float32"),
+], ids=["gpt-remat-bf16", "moe-dense-and-experts", "bert"])
+def test_the_planners_build_replays_repeated_blocks_exactly(task_name, model, precision):
+    """The planner runs a repeated block's forward pass once (tfpod.plan.lazy): its variables and
+    every leaf layer's output shape equal those of the build that calls every block."""
+    import tf_keras
+
+    from tfpod.plan import lazy
+    from tfpod.trainer import precision_policy
+
+    task = TASKS[task_name]
+    cfg = task.config_class(**model)
+    builds = []
+    for replay in (True, False):
+        tf_keras.backend.clear_session()  # the same auto-names (dropout_1, ...) in both builds
+        with precision_policy(precision), lazy.recorded_build(replay=replay) as outputs:
+            _, specs = partitioning.lazy_model(lambda: task.build(cfg), task.input_signature(cfg))
+        builds.append((specs, [(layer.name, shape) for layer, shape in outputs]))
+    (specs, outputs), (want_specs, want_outputs) = builds
+    assert specs == want_specs and outputs == want_outputs
+    assert len(outputs) > 10 * model["num_layers"]
+
+
 def test_a_175b_model_plans_without_allocating():
     """GPT-3 175B's lazy build holds no weights: this process stays far below 175B x 2 bytes."""
     import resource

@@ -13,6 +13,7 @@ everywhere else.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.metadata
 
 from tfpod import UserError
@@ -50,6 +51,85 @@ def flatten_layers(model, include_self: bool = True) -> list:
 def flatten(model, predicate, with_path: bool = False) -> list:
     """tf.Module's traversal of `model`'s attributes: objects matching `predicate` (with paths)."""
     return list(model._flatten(predicate=predicate, with_path=with_path))
+
+
+def first_paths(model, predicate) -> dict:
+    """{id: (path, object)} of `flatten(model, predicate, with_path=True)`, each object
+    once, at its first path, in that order.
+
+    The walk is tf.Module's, but a module already walked whole is not walked again: a
+    tf_keras layer is reachable by its attribute and by its parent's tracking lists, so
+    the full walk visits a layer nested d deep about 2**d times, and every visit after
+    the first finds only objects found before. (A walk cut short by a reference back
+    to a module being walked is not whole: that module is walked again, as tf.Module does.)
+    """
+    from tensorflow.python.module import module as module_lib
+    from tensorflow.python.util import nest
+
+    found, whole = {}, set()
+
+    def walk(module, path, stack) -> bool:
+        recursive = id(module) not in stack
+        submodules = []
+        for key in sorted(vars(module)):
+            if key in module._TF_MODULE_IGNORED_PROPERTIES:
+                continue
+            for leaf_path, leaf in nest.flatten_with_tuple_paths(vars(module)[key]):
+                if predicate(leaf):
+                    found.setdefault(id(leaf), (path + (key,) + leaf_path, leaf))
+                if recursive and module_lib._is_module(leaf):
+                    submodules.append((path + (key,) + leaf_path, leaf))
+        stack.append(id(module))
+        complete = recursive
+        for sub_path, sub in submodules:
+            if id(sub) not in whole:
+                complete = walk(sub, sub_path, stack) and complete
+        stack.pop()
+        if complete:
+            whole.add(id(module))
+        return complete
+
+    walk(model, (), [])
+    return found
+
+
+@contextlib.contextmanager
+def intercepting_layer_calls(intercept):
+    """Within: a tf_keras layer called in a graph (a model's symbolic build) runs
+    `intercept(layer, call)(*arguments)` in place of `call(*arguments)`, inside its name
+    scope and after its own `build`; when `intercept` is asked, `layer.built` still
+    says whether this is the call that builds the layer."""
+    layer_class = tf_keras().layers.Layer
+    original = layer_class._autographed_call  # asked for the call before the layer builds
+    layer_class._autographed_call = lambda self: intercept(self, original(self))
+    try:
+        yield
+    finally:
+        layer_class._autographed_call = original
+
+
+@contextlib.contextmanager
+def intercepting_layer_builds(intercept):
+    """Within: a tf_keras layer's first build (when it is first called) runs
+    `intercept(layer, inputs, build)`, where `build(inputs)` builds it for `inputs`."""
+    layer_class = tf_keras().layers.Layer
+    original = layer_class._maybe_build
+
+    def maybe_build(self, inputs):
+        if self.built:
+            return original(self, inputs)
+        return intercept(self, inputs, lambda x: original(self, x))
+
+    layer_class._maybe_build = maybe_build
+    try:
+        yield
+    finally:
+        layer_class._maybe_build = original
+
+
+def build_layer(layer, inputs) -> None:
+    """Builds `layer` as its first call on `inputs` (tensors, or TensorSpecs) would."""
+    layer._maybe_build(inputs)
 
 
 def inner_variable(v):

@@ -71,7 +71,7 @@ class Task(abc.ABC):
     def plan_profile(self, config, outputs) -> "Profile | None":
         """What a training step keeps and moves per example, in logical axes
         (tfpod.plan.profile), for --mode=plan. `outputs`: (layer, output shape) of every
-        leaf layer the model's lazy build called (`profile.recording_outputs`).
+        leaf layer the model's lazy build called (`tfpod.plan.lazy.recorded_build`).
         None: the task cannot be planned (the default)."""
         del config, outputs
         return None

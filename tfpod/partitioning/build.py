@@ -23,15 +23,17 @@ from tfpod.partitioning.rules import AxisRule, VarSpec, resolve
 # Materializing a Keras model as sharded DVariables
 
 
+def _is_lazy(o) -> bool:
+    return isinstance(compat.inner_variable(o), compat.lazy_variable().LazyInitVariable)
+
+
 def _lazy_variables(model):
     """[(object_path, variable)] of a lazily built tf_keras model, one entry per path.
 
     `variable` is a LazyInitVariable, or (under a mixed-precision policy) an
     AutoCastVariable wrapping one.
     """
-    lazy = compat.lazy_variable().LazyInitVariable
-    is_lazy = lambda o: isinstance(compat.inner_variable(o), lazy)
-    return [(".".join(str(p) for p in path), v) for path, v in compat.flatten(model, is_lazy, with_path=True)]
+    return [(".".join(str(p) for p in path), v) for path, v in compat.flatten(model, _is_lazy, with_path=True)]
 
 
 _unwrap = compat.inner_variable
@@ -53,27 +55,27 @@ def _lazy_build(model_fn, input_signature):
             input_signature,
         )
         model(inputs)
-    pairs = _lazy_variables(model)
-    by_id = {}
-    for path, v in pairs:
-        by_id.setdefault(id(v), (path, v))
+    return model
+
+
+def _specs(model, variables) -> list[VarSpec]:
+    """The VarSpecs of `variables` (each once, in the order of the model's attribute walk)."""
     # A layer set trainable=False leaves its variables' own flag alone: ask the model.
     trains = {id(_unwrap(v)) for v in model.trainable_weights}
-    specs = [VarSpec(var_name(v), tuple(v.shape.as_list()), _unwrap(v).dtype, id(_unwrap(v)) in trains)
-             for _, v in by_id.values()]
-    return model, pairs, by_id, specs
+    return [VarSpec(var_name(v), tuple(v.shape.as_list()), _unwrap(v).dtype, id(_unwrap(v)) in trains)
+            for v in variables]
 
 
 def variable_specs(model_fn, input_signature) -> list[VarSpec]:
     """The model's variables (name, global shape, dtype) without allocating any."""
-    return _lazy_build(model_fn, input_signature)[3]
+    return lazy_model(model_fn, input_signature)[1]
 
 
 def lazy_model(model_fn, input_signature):
     """(model, specs): the model built with lazily initialized variables (nothing
     allocated: a 175B-parameter model builds on a laptop) and its VarSpecs."""
-    model, _, _, specs = _lazy_build(model_fn, input_signature)
-    return model, specs
+    model = _lazy_build(model_fn, input_signature)
+    return model, _specs(model, [v for _, v in compat.first_paths(model, _is_lazy).values()])
 
 
 def build_sharded(
@@ -108,7 +110,12 @@ def build_sharded(
     Raises:
       UserError: any rules-validation error (see `resolve`), before allocation.
     """
-    model, pairs, by_id, specs = _lazy_build(model_fn, input_signature)
+    model = _lazy_build(model_fn, input_signature)
+    pairs = _lazy_variables(model)
+    by_id = {}
+    for path, v in pairs:
+        by_id.setdefault(id(v), (path, v))
+    specs = _specs(model, [v for _, v in by_id.values()])
     layouts = resolve(specs, axis_rules, table, mesh)
     if stage_meshes:
         owner = stage_of(model)

@@ -9,6 +9,7 @@ reports the fastest that fits, and training with `--mesh=auto` (or
 
   devices   the device table (h100, h200, a100-40g, a100-80g, tpu-v4, tpu-v5p; cpu measured)
   profile   what a task's step keeps and moves per example, in logical axes (Task.plan_profile)
+  lazy      the planner's lazy build: leaf layers' output shapes; a repeated block's forward pass run once
   memory    weights, gradients, optimizer state (exact, from the layouts), activations, temporaries
   timing    the roofline model of a step
   planner   Planner: the lazily built model, planned on any mesh of devices that need not exist

@@ -1,9 +1,9 @@
 """A run's plan: per-device memory, whether it fits, and the predicted step time.
 
 `Planner` builds the model once with lazily initialized variables (nothing allocated:
-a GPT-3 175B builds on a laptop), then `plan(choice)` lays it out on a mesh of
-devices that need not exist (DTensor meshes of device names only) with the same rules
-the trainer uses, and adds up:
+a GPT-3 175B builds on a laptop, in seconds, as `lazy` runs a repeated block's forward
+pass once), then `plan(choice)` lays it out on a mesh of devices that need not exist
+(DTensor meshes of device names only) with the same rules the trainer uses, and adds up:
 
   weights, gradients, optimizer   exact, from the layouts (they equal layouts.txt)
   activations, temporary          the task's Profile laid out by the same rules (memory.py)
@@ -22,7 +22,7 @@ import math
 from typing import Mapping
 
 from tfpod import UserError
-from tfpod.plan import memory, profile, timing
+from tfpod.plan import lazy, memory, timing
 from tfpod.partitioning.report import human_bytes
 from tfpod.plan.devices import DeviceSpec
 
@@ -78,7 +78,7 @@ class Planner:
         self.num_hosts = num_devices // self.devices_per_host
         task, model_config = configs.task, configs.model
         log.info("plan: building %s with lazily initialized variables (nothing is allocated) ...", task.name)
-        with precision_policy(configs.train.precision), profile.recording_outputs() as outputs:
+        with precision_policy(configs.train.precision), lazy.recorded_build() as outputs:
             self.model, self.specs = partitioning.lazy_model(lambda: task.build(model_config),
                                                              task.input_signature(model_config))
         self.profile = task.plan_profile(model_config, outputs)

@@ -23,12 +23,9 @@ against the CPU allocator's peak (bench/plan_accuracy.py, docs/benchmarks.md "Pl
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import math
 from typing import Sequence
-
-import tensorflow as tf
 
 
 @dataclasses.dataclass(frozen=True)
@@ -136,40 +133,12 @@ def lm_outside(length: int, embed: int, vocab: int, one_hot_lookup: bool) -> lis
     return saved
 
 
-@contextlib.contextmanager
-def recording_outputs():
-    """Within: every leaf Keras layer called records (layer, its output's shape), once per
-    layer, e.g. during the planner's lazy build, so a profile can read any model's
-    activation shapes. The list fills when the context exits."""
-    import tf_keras
-
-    layer_class = tf_keras.layers.Layer
-    original = layer_class.__call__
-    seen, order = {}, []
-
-    def call(self, *args, **kwargs):
-        out = original(self, *args, **kwargs)
-        first = next(iter(tf.nest.flatten(out)), None)
-        if getattr(first, "shape", None) is not None and not list(self._flatten_layers(include_self=False)):
-            if id(self) not in seen:  # a functional model's layers run when it is built and again when called
-                order.append(id(self))
-            seen[id(self)] = (self, tuple(first.shape))
-        return out
-
-    layer_class.__call__ = call
-    outputs = []
-    try:
-        yield outputs
-    finally:
-        layer_class.__call__ = original
-        outputs.extend(seen[i] for i in order)
-
-
 def conv_layers(outputs: Sequence) -> list:
     """What a convolutional network keeps per example, from the (layer, output shape)
-    pairs `recording_outputs` gives: each convolution's output (its batch norm reads it
-    back), each ReLU's (it reads its output back, and the next convolution its input),
-    each pooling's and residual sum's. Batch norm outputs only feed the ReLU after them."""
+    pairs the planner's lazy build records (`tfpod.plan.lazy.recorded_build`): each
+    convolution's output (its batch norm reads it back), each ReLU's (it reads its output
+    back, and the next convolution its input), each pooling's and residual sum's. Batch
+    norm outputs only feed the ReLU after them."""
     import tf_keras
 
     kinds = (tf_keras.layers.Conv2D, tf_keras.layers.Activation, tf_keras.layers.ReLU,
