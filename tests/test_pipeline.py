@@ -54,9 +54,9 @@ def assert_same_losses(losses, reference_losses):
 # -- the same math --------------------------------------------------------------------------
 
 @pytest.mark.parametrize("spec,microbatches,schedule,options", [
-    ("stage:2,data:2,model:2", 4, "1f1b", {"sequence_parallel": True, "remat": True}),
+    ("stage:2,data:2,model:2", 2, "1f1b", {"sequence_parallel": True, "remat": True}),
     ("stage:4,data:2", 4, "gpipe", {}),
-], ids=["stage2-data2-model2-M4-1f1b-sp-remat", "stage4-data2-M4-gpipe"])
+], ids=["stage2-data2-model2-M2-1f1b-sp-remat", "stage4-data2-M4-gpipe"])
 def test_pipelines_train_the_data_parallel_losses(tmp_path, reference, spec, microbatches, schedule, options):
     options = dict(options)
     config = gpt.GPTConfig(**SMALL, remat=options.pop("remat", False))

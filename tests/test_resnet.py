@@ -11,6 +11,7 @@ import os
 import numpy as np
 import pytest
 import tensorflow as tf
+import tf_keras
 
 from conftest import assert_golden_layouts, make_run
 from tfpod import UserError, optimizers, partitioning
@@ -151,6 +152,7 @@ def test_spatial_equals_data(tmp_path, data_parallel):
 
 
 def test_tiny_config_trains_and_evaluates(tmp_path):
+    tf_keras.backend.clear_session()  # Keras's auto-names (conv2d_N, in the golden layouts) count layers made before
     model_dir = str(tmp_path / "run")
     overrides = ["resnet.depth=10", "train.steps=10", "train.steps_per_loop=5", "train.eval_every=10",
                  "train.log_every=5", "train.checkpoint_every=10", "optimizer.warmup_steps=2"]
