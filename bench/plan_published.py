@@ -35,7 +35,8 @@ MAXTEXT = [  # name, layers, emb, heads, mlp (gated), per-device batch, chips, f
 ]
 
 
-def _configs(layers, hidden, heads, mlp, vocab, seq, batch, microbatches=1, schedule="1f1b"):
+def gpt_configs(layers, hidden, heads, mlp, vocab, seq, batch, microbatches=1, schedule="1f1b"):
+    """RunConfigs of a GPT (recomputation, bf16, sequence parallelism) for the planner."""
     from tfpod import api, config, controller, optimizers, partitioning
     from tfpod.models import gpt
 
@@ -74,7 +75,7 @@ def published_part() -> list:
     for name, layers, hidden, heads, t, p, gpus, batch, flops in MEGATRON:
         print(f"[plan_accuracy] published {name} ...", file=sys.stderr, flush=True)
         data = gpus // (t * p)
-        c = _configs(layers, hidden, heads, 4 * hidden, vocab, seq, batch, microbatches=batch // data)
+        c = gpt_configs(layers, hidden, heads, 4 * hidden, vocab, seq, batch, microbatches=batch // data)
         planner = Planner(c, devices.get("a100-80g"), gpus)
         stages = min(p, 8)  # stages share each host's 8 GPUs in tfpod
         theirs = Choice(f"stage:{stages},data:{gpus // (stages * t)},model:{t}", "tensor", True, True,
@@ -92,7 +93,7 @@ def published_part() -> list:
                      "tfpod_auto": _brief(best)})
     for name, layers, emb, heads, mlp, per_device, chips, fsdp, tp, mfu in MAXTEXT:
         print(f"[plan_accuracy] published {name} ...", file=sys.stderr, flush=True)
-        c = _configs(layers, emb, heads, mlp * 3 // 2, 32000, seq, per_device * chips)
+        c = gpt_configs(layers, emb, heads, mlp * 3 // 2, 32000, seq, per_device * chips)
         planner = Planner(c, devices.get("tpu-v5p"), chips)
         as_theirs = planner.plan(Choice(f"data:{fsdp},model:{tp}", "2d", True, True))
         best, _ = search(planner, top=1)

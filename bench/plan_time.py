@@ -24,7 +24,9 @@ import resource
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "bench"))
 
 
 def main() -> None:
@@ -35,18 +37,15 @@ def main() -> None:
     import tfpod  # noqa: F401  (selects tf_keras before TensorFlow loads)
     import tf_keras
 
-    from tfpod import api, config, controller, optimizers, partitioning
+    from plan_published import gpt_configs
+    from tfpod import partitioning
     from tfpod.models import gpt
     from tfpod.plan import devices, lazy
     from tfpod.plan.planner import Choice, Planner
     from tfpod.trainer import precision_policy
 
-    model = gpt.GPTConfig(vocab_size=51200, seq_len=2048, num_layers=args.layers, embed_dim=12288, num_heads=96,
-                          mlp_dim=49152, remat=True)
-    configs = api.RunConfigs(
-        task=gpt.TASK, experiment=config.ExperimentConfig(model="gpt"), model=model, data=None,
-        train=controller.TrainConfig(steps=10, global_batch_size=1536, precision="mixed_bfloat16"),
-        optimizer=optimizers.OptimizerConfig(), sharding=partitioning.ShardingConfig())
+    configs = gpt_configs(args.layers, 12288, 96, 49152, 51200, 2048, 1536)
+    model = configs.model
     t = time.perf_counter()
     planner = Planner(configs, devices.get("a100-80g"), 1024)
     build_s = time.perf_counter() - t

@@ -83,8 +83,6 @@ def write(module: tf.Module, signatures: dict, base: str) -> str:
     training goes on from checkpoints."""
     os.makedirs(base, exist_ok=True)
     tmp = tempfile.mkdtemp(prefix=".partial-", dir=base)
-    quiet = _DropKerasConfigWarning()
-    logging.getLogger("tensorflow").addFilter(quiet)
     try:
         tf.saved_model.save(_serving_objects(module), tmp, signatures=signatures,
                             options=tf.saved_model.SaveOptions(experimental_custom_gradients=False))
@@ -97,7 +95,6 @@ def write(module: tf.Module, signatures: dict, base: str) -> str:
                 if not os.path.exists(final):
                     raise
     finally:
-        logging.getLogger("tensorflow").removeFilter(quiet)
         if os.path.exists(tmp):
             shutil.rmtree(tmp, ignore_errors=True)
 
@@ -112,14 +109,6 @@ def _serving_objects(module: tf.Module) -> tf.Module:
         if not name.startswith("_"):
             setattr(objects, name, list(value.variables) if isinstance(value, tf_keras.layers.Layer) else value)
     return objects
-
-
-class _DropKerasConfigWarning(logging.Filter):
-    """tf_keras warns that each model's config cannot be serialized; the export serves
-    signatures, not Keras configs, so the warning says nothing useful here."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return "non-serializable objects" not in record.getMessage()
 
 
 def _input_specs(fn) -> dict:
