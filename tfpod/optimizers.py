@@ -232,9 +232,13 @@ def dvariable_scope(layout_fn: Callable[[tf.TensorShape], dtensor.Layout]):
     def creator(next_creator, **kwargs):
         del next_creator
         init = kwargs.pop("initial_value")
-        if callable(init):
-            init = init()
-        init = tf.convert_to_tensor(init, dtype=kwargs.get("dtype"))
+        # On the host: Keras computes a slot's zeros where its weight lives, the DTensor
+        # device, and there, once another mesh had run in this process (a pipeline's stage
+        # meshes, a run on some of the devices), the op never finished.
+        with tf.device("/device:CPU:0"):
+            if callable(init):
+                init = init()
+            init = tf.convert_to_tensor(init, dtype=kwargs.get("dtype"))
         return dtensor.DVariable(
             _to_mesh(init, layout_fn(init.shape)),
             trainable=kwargs.get("trainable", False),
