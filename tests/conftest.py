@@ -98,6 +98,21 @@ def make_run(task, model_config, train_config, optimizer_config, mesh, model_dir
                           schedule=config.pipeline_schedule)
 
 
+def device_mesh(spec: str = "data:1,model:1"):
+    """A mesh over the first devices of this process's 8 (as many as `spec` multiplies to),
+    for `api.run(..., mesh=...)` and `make_run`: a test whose point is not sharding (input,
+    run folders, goodput, errors) runs on one device, where building, compiling and each
+    eager op cost a fraction of what 8 devices do; sharding itself is checked against such
+    runs elsewhere (test_train, test_presets)."""
+    from tensorflow.experimental import dtensor
+
+    axes = [(name, int(size)) for name, size in (axis.split(":") for axis in spec.split(","))]
+    count = 1
+    for _, size in axes:
+        count *= size
+    return dtensor.create_mesh(axes, devices=[f"CPU:{i}" for i in range(count)], device_type="CPU")
+
+
 GOLDEN = os.path.join(os.path.dirname(os.path.abspath(__file__)), "golden")
 
 

@@ -18,7 +18,7 @@ import pytest
 import tensorflow as tf
 from tensorflow.experimental import dtensor
 
-from conftest import main_py, make_run, run_module
+from conftest import device_mesh, main_py, make_run, run_module
 
 transformers = pytest.importorskip("transformers")
 from transformers.modeling_tf_pytorch_utils import convert_tf_weight_name_to_pt_weight_name  # noqa: E402
@@ -106,7 +106,7 @@ def test_gpt2_fine_tunes_from_its_config_and_exports_back_to_transformers(gpt2, 
                      "data:4,model:2", tmp_path / "fresh", preset="tensor")
     with pytest.raises(UserError, match="not of this model"):  # a checkpoint of another model is one line
         make_run(c.task, dataclasses.replace(c.model, mlp_dim=64), TrainConfig(init_from=str(run)),
-                 optimizers.OptimizerConfig(), "data:8", tmp_path / "other").restore()
+                 optimizers.OptimizerConfig(), device_mesh(), tmp_path / "other").restore()
     first = next(json.loads(line)["loss"] for line in open(run / "metrics.jsonl") if '"train"' in line)
     assert fresh.restore() is None and int(fresh.trainer.step.numpy()) == 0
     batch = next(fresh.synthetic_feed().start(0, None))

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from conftest import ROOT, launch_command, main_py
+from conftest import ROOT, device_mesh, launch_command, main_py
 from tfpod import UserError, evaluation
 from tfpod.api import run
 from tfpod.input import prepare
@@ -139,7 +139,7 @@ def test_train_and_eval_alternates_and_stops_at_the_target(tmp_path, trained):
         run(["gin/lm_tiny.gin"], params, str(tmp_path / "a"), mode="eval", checkpoint=str(tmp_path / "nope"))
 
     target = ["train.target_metric='token_accuracy'", "train.target_value=0.0"]
-    out = run(["gin/lm_tiny.gin"], params + target, str(tmp_path / "b"), mode="train_and_eval", mesh_spec="data:8")
+    out = run(["gin/lm_tiny.gin"], params + target, str(tmp_path / "b"), mode="train_and_eval", mesh=device_mesh())
     evals = [json.loads(l) for l in open(tmp_path / "b" / "metrics.jsonl") if '"eval"' in l]
     assert out["step"] == 2 and evals[-1]["target_reached"] is True and evals[-1]["train_seconds"] > 0
     assert os.path.exists(tmp_path / "b" / "checkpoints" / "ckpt-2.index")

@@ -8,7 +8,7 @@ import time
 import numpy as np
 import pytest
 
-from conftest import ROOT, main_command
+from conftest import ROOT, device_mesh, main_command
 from test_multihost import SMALL
 
 from tfpod import api, checkpoint, goodput
@@ -21,7 +21,7 @@ def test_goodput_counts_every_launch_and_the_steps_a_restart_trains_again(tmp_pa
     """Both launches save asynchronously: the resumed steps also show that its checkpoints resume exactly."""
     caplog.set_level("INFO", logger="tfpod")
     d = str(tmp_path)
-    api.run(["gin/lm_tiny.gin"], PARAMS + ["train.steps=6"], d, mesh_spec="data:4,model:2")
+    api.run(["gin/lm_tiny.gin"], PARAMS + ["train.steps=6"], d, mesh=device_mesh())
     assert "writing checkpoint" in caplog.text and "written in the background" in caplog.text
     # keep_checkpoints=2: a checkpoint counts (and the oldest goes) once it is whole
     assert checkpoint.complete_steps(os.path.join(d, "checkpoints")) == [4, 6]
@@ -37,14 +37,14 @@ def test_goodput_counts_every_launch_and_the_steps_a_restart_trains_again(tmp_pa
     # A launch killed before it restored anything (while TensorFlow loads) records nothing
     # itself: its time is badput between the launches.
     started = time.time()
-    command = main_command("--gin_file=gin/lm_tiny.gin", "--cpu_devices=8", "--mesh=data:4,model:2", f"--model_dir={d}",
+    command = main_command("--gin_file=gin/lm_tiny.gin", "--cpu_devices=1", "--mesh=data:1,model:1", f"--model_dir={d}",
                            *[f"--gin_param={p}" for p in PARAMS + ["train.steps=8"]])
     killed = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     time.sleep(2)
     killed.kill()
     killed.wait()
     dead = time.time() - started
-    api.run(["gin/lm_tiny.gin"], PARAMS + ["train.steps=8"], d, mesh_spec="data:4,model:2")
+    api.run(["gin/lm_tiny.gin"], PARAMS + ["train.steps=8"], d, mesh=device_mesh())
     launches = json.load(open(os.path.join(d, "goodput.json")))["launches"]
     assert [(l["first_step"], l["last_step"]) for l in launches] == [(0, 6), (4, 8)]
     summary = goodput.summarize(launches)

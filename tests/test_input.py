@@ -12,6 +12,7 @@ import tensorflow as tf
 from tfpod import UserError
 from tfpod.input import files as files_lib
 from tfpod.api import run
+from conftest import device_mesh
 from tfpod.input import common, host_files, lm_data, prepare
 from tfpod.input.common import ShardInfo
 
@@ -137,7 +138,7 @@ def _small_run(model_dir, steps, extra=()):
     params = ["train.steps=%d" % steps, "train.global_batch_size=8", "train.steps_per_loop=2", "train.log_every=2",
               "train.checkpoint_every=2", "optimizer.decay_steps=8", "optimizer.warmup_steps=0",
               "gpt.num_layers=1", "gpt.embed_dim=64", "gpt.mlp_dim=128", *extra]
-    return run(["gin/lm_tiny.gin"], params, str(model_dir), mesh_spec="data:4,model:2")
+    return run(["gin/lm_tiny.gin"], params, str(model_dir), mesh=device_mesh())  # input is the point: one device
 
 
 def test_bad_input_is_one_clear_line(tmp_path, corpus):

@@ -14,7 +14,7 @@ import pytest
 import tensorflow as tf
 from tensorflow.experimental import dtensor
 
-from conftest import ROOT, main_command, make_run
+from conftest import ROOT, device_mesh, main_command, make_run
 from tfpod import UserError, checkpoint, optimizers, partitioning
 from tfpod.api import run
 from tfpod.controller import Controller, TrainConfig
@@ -115,7 +115,7 @@ def test_a_checkpoint_write_the_disk_refuses_is_one_line_and_loses_nothing(tmp_p
     d = tmp_path / "run"
     params = ["gpt.num_layers=1", "train.global_batch_size=16", "train.steps_per_loop=2", "train.log_every=2",
               "train.checkpoint_every=2", "train.synthetic_data=True"]
-    run(["gin/lm_tiny.gin"], params + ["train.steps=2"], str(d), mesh_spec="data:8")
+    run(["gin/lm_tiny.gin"], params + ["train.steps=2"], str(d), mesh=device_mesh())
     before = checkpoint_values(str(d / "checkpoints" / "ckpt-2"))
 
     def limit_file_size():
@@ -125,7 +125,8 @@ def test_a_checkpoint_write_the_disk_refuses_is_one_line_and_loses_nothing(tmp_p
         resource.setrlimit(resource.RLIMIT_FSIZE, (512 * 1024, 512 * 1024))
 
     for background in (False, True):
-        cmd = main_command("--gin_file=gin/lm_tiny.gin", "--cpu_devices=8", "--mesh=data:8", f"--model_dir={d}",
+        cmd = main_command("--gin_file=gin/lm_tiny.gin", "--cpu_devices=1", "--mesh=data:1,model:1",
+                           f"--model_dir={d}",
                            *[f"--gin_param={p}" for p in params + ["train.steps=4",
                                                                     f"train.async_checkpoint={background}"]])
         proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600, preexec_fn=limit_file_size)
@@ -137,7 +138,7 @@ def test_a_checkpoint_write_the_disk_refuses_is_one_line_and_loses_nothing(tmp_p
         assert not glob.glob(str(d / "checkpoints" / "ckpt-4*"))  # what the failed write left is gone
         after = checkpoint_values(str(d / "checkpoints" / "ckpt-2"))
         assert after.keys() == before.keys() and all(np.array_equal(after[k], before[k]) for k in before)
-    out = run(["gin/lm_tiny.gin"], params + ["train.steps=4"], str(d), mesh_spec="data:8")
+    out = run(["gin/lm_tiny.gin"], params + ["train.steps=4"], str(d), mesh=device_mesh())
     assert out["step"] == 4 and len(out["losses"]) == 2  # resumed from ckpt-2
 
 
@@ -322,25 +323,25 @@ def test_reruns_that_cannot_go_on_write_nothing(tmp_path):
     d = str(tmp_path)
     small = ["gpt.num_layers=1", "train.steps=2", "train.steps_per_loop=2", "train.log_every=2",
              "train.synthetic_data=True"]
-    run(["gin/lm_tiny.gin"], small, d, mesh_spec="data:8")
+    run(["gin/lm_tiny.gin"], small, d, mesh=device_mesh())
     saved = lambda: {f: os.path.getmtime(os.path.join(r, f)) for r, _, fs in os.walk(d) for f in fs}
     before = saved()
     assert {"config.gin", "layouts.txt", "metrics.jsonl"} <= set(before)
     with pytest.raises(UserError) as e:
-        run(["gin/lm_tiny.gin"], small + ["gpt.num_layers=2", "train.steps=4"], d, mesh_spec="data:8")
+        run(["gin/lm_tiny.gin"], small + ["gpt.num_layers=2", "train.steps=4"], d, mesh=device_mesh())
     msg = str(e.value)
     assert ("is not of this model: 48 variable(s) of this model are not in it (model/blocks/1/attention/"
             "attention_output/bias, model/blocks/1/attention/attention_output/kernel, ") in msg
     assert "use the gin config it was trained with" in msg and "\n" not in msg
     with pytest.raises(UserError, match=r"shape\(s\) differ \(model/blocks/0/attention/attention_output/bias "
                                         r"\[128\] vs \[64\] here"):
-        run(["gin/lm_tiny.gin"], small + ["gpt.embed_dim=64", "train.steps=4"], d, mesh_spec="data:8")
+        run(["gin/lm_tiny.gin"], small + ["gpt.embed_dim=64", "train.steps=4"], d, mesh=device_mesh())
     with pytest.raises(UserError, match="gpt.num_heads=7"):
-        run(["gin/lm_tiny.gin"], small + ["gpt.num_heads=7"], d, mesh_spec="data:8")
+        run(["gin/lm_tiny.gin"], small + ["gpt.num_heads=7"], d, mesh=device_mesh())
     # Failures after the model is built, before training: config.gin and layouts.txt stay the old run's.
     with pytest.raises(UserError, match="SentencePiece vocabulary .*missing.model does not exist"):
         run(["gin/lm_tiny.gin"], small + ["train.steps=4", "train.synthetic_data=False",
-                                          f"lm_data.vocab_path='{tmp_path / 'missing.model'}'"], d, mesh_spec="data:8")
+                                          f"lm_data.vocab_path='{tmp_path / 'missing.model'}'"], d, mesh=device_mesh())
     assert saved() == before  # nothing written over, nothing added
 
 

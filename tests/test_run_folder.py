@@ -21,7 +21,7 @@ import time
 import numpy as np
 import pytest
 
-from conftest import ROOT, main_command
+from conftest import ROOT, device_mesh, main_command
 from test_multihost import SMALL, errors, losses, main_args
 
 from tfpod import UserError, api, checkpoint, config, run_folder
@@ -136,8 +136,9 @@ PARAMS = ["train.steps=4", "train.checkpoint_every=2"]
 def test_two_runs_at_once_on_one_folder_one_host(tmp_path):
     d = tmp_path / "run"
     args = main_args(d, 4, ["train.checkpoint_every=2"])
-    procs, outs = _start_two(main_command("--cpu_devices=8", *args))
-    reference = api.run(["gin/lm_tiny.gin"], SMALL + PARAMS, str(tmp_path / "lone"), mesh_spec="data:4,model:2")
+    args = [a.replace("--mesh=data:4,model:2", "--mesh=data:1,model:1") for a in args]  # the folder is the point
+    procs, outs = _start_two(main_command("--cpu_devices=1", *args))
+    reference = api.run(["gin/lm_tiny.gin"], SMALL + PARAMS, str(tmp_path / "lone"), mesh=device_mesh())
     _assert_one_refused_one_whole(procs, outs, d, reference["losses"])
 
 
@@ -171,7 +172,7 @@ REAL = SMALL + ["train.checkpoint_every=2", "train.keep_checkpoints=3"]
 def test_damaged_files_are_one_line_and_damaged_checkpoints_move_aside(tmp_path, caplog):
     """One run, then each file it reads back damaged in turn; the resumed steps repeat the first run's."""
     d = str(tmp_path / "run")
-    first = api.run(["gin/lm_tiny.gin"], REAL + ["train.steps=4"], d, mesh_spec="data:4,model:2")["losses"]
+    first = api.run(["gin/lm_tiny.gin"], REAL + ["train.steps=4"], d, mesh=device_mesh())["losses"]
     ckpts = os.path.join(d, "checkpoints")
     # ckpt-4 holds the shards of two writes (as two runs writing at once left it); the
     # checkpoint list and goodput.json are garbage.
@@ -187,7 +188,7 @@ def test_damaged_files_are_one_line_and_damaged_checkpoints_move_aside(tmp_path,
         json.dump(_holder(), f)
     config.parse_config(["gin/lm_tiny.gin"], REAL + ["train.synthetic_data=True"])
     c = api.build_run_configs()
-    session = api.start(c, api.RunOptions(mesh_spec="data:4,model:2"), d)
+    session = api.start(c, api.RunOptions(mesh=device_mesh()), d)
     with caplog.at_level(logging.WARNING, logger="tfpod"):
         assert api.controller(c.task, c.model, c.train, c.optimizer, session.placement, d).checkpoints \
             .restore_latest() == 2
@@ -197,7 +198,7 @@ def test_damaged_files_are_one_line_and_damaged_checkpoints_move_aside(tmp_path,
     os.remove(os.path.join(d, "claim.json"))
     caplog.clear()
     with caplog.at_level(logging.INFO, logger="tfpod"):
-        out = api.run(["gin/lm_tiny.gin"], REAL + ["train.steps=6"], d, mesh_spec="data:4,model:2")
+        out = api.run(["gin/lm_tiny.gin"], REAL + ["train.steps=6"], d, mesh=device_mesh())
     text = caplog.text
     assert f"checkpoint {ckpts}/ckpt-4 is damaged (its data shards are missing or come from different writes): " \
            f"moved it to {ckpts}/ckpt-4.corrupt.0" in text
@@ -215,14 +216,14 @@ def test_damaged_files_are_one_line_and_damaged_checkpoints_move_aside(tmp_path,
         f.write("{")
     params = REAL + ["train.steps=7"]
     with pytest.raises(UserError, match=rf"{source} is damaged .*restore the file from a backup.*strict_resume=True"):
-        api.run(["gin/lm_tiny.gin"], params + ["train.strict_resume=True"], d, mesh_spec="data:4,model:2")
+        api.run(["gin/lm_tiny.gin"], params + ["train.strict_resume=True"], d, mesh=device_mesh())
     os.remove(source)
     data = glob.glob(os.path.join(ckpts, "input-host0", "ckpt-6.data-*"))[0]
     raw = bytearray(open(data, "rb").read())
     raw[len(raw) // 2: len(raw) // 2 + 16] = bytes(16)
     open(data, "wb").write(bytes(raw))
     with pytest.raises(UserError, match=rf"the input position {ckpts}/input-host0/ckpt-6 is damaged"):
-        api.run(["gin/lm_tiny.gin"], params + ["train.strict_resume=True"], d, mesh_spec="data:4,model:2")
+        api.run(["gin/lm_tiny.gin"], params + ["train.strict_resume=True"], d, mesh=device_mesh())
 
     # config.gin (a run's own config, read when no --gin_file is given).
     saved = os.path.join(d, "config.gin")

@@ -18,7 +18,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-from typing import Callable
+from typing import Any, Callable
 
 from tfpod import UserError, config
 
@@ -44,6 +44,8 @@ class RunOptions:
 
     Attributes:
       mesh_spec: e.g. "data:-1,model:2" (None: experiment.mesh).
+      mesh: a dtensor.Mesh the caller built, instead of mesh_spec (one host; e.g. over some
+        of its devices, as the tests run what needs no sharding on one device).
       cpu_devices: split the host CPU into this many logical devices.
       device_type: TPU, GPU or CPU (None: auto-detect).
       checkpoint: eval and export: the checkpoint to use (None: the newest complete one).
@@ -54,6 +56,7 @@ class RunOptions:
     """
 
     mesh_spec: str | None = None
+    mesh: Any = None
     cpu_devices: int | None = None
     device_type: str | None = None
     checkpoint: str | None = None
@@ -121,12 +124,15 @@ def start(c: RunConfigs, options: RunOptions, model_dir: str = "", claim: bool =
     info = runtime.initialize(cpu_devices=options.cpu_devices, device_type=options.device_type)
     held = run_folder.take(model_dir, info.client_id, info.num_clients, meshlib.host_max) if claim else None
     try:
-        spec = options.mesh_spec or c.experiment.mesh
-        if spec == "auto" or c.sharding.preset == "auto":
-            from tfpod import plan
+        if options.mesh is not None:
+            meshes = [_given_mesh(options, info)]
+        else:
+            spec = options.mesh_spec or c.experiment.mesh
+            if spec == "auto" or c.sharding.preset == "auto":
+                from tfpod import plan
 
-            spec = plan.choose_for_run(c, spec, info, model_dir)
-        meshes = meshlib.make_stage_meshes(spec)
+                spec = plan.choose_for_run(c, spec, info, model_dir)
+            meshes = meshlib.make_stage_meshes(spec)
         placement = partitioning.Placement.from_config(c.sharding, c.task.default_preset, meshes)
         _check_image_rows(c.task, placement)
         task_input = None
@@ -137,6 +143,19 @@ def start(c: RunConfigs, options: RunOptions, model_dir: str = "", claim: bool =
             held.release()
         raise
     return Session(info, placement, task_input, held)
+
+
+def _given_mesh(options: RunOptions, info):
+    """RunOptions.mesh, checked: a dtensor.Mesh on one host, and no mesh_spec beside it."""
+    from tensorflow.experimental import dtensor
+
+    if not isinstance(options.mesh, dtensor.Mesh):
+        raise UserError(f"RunOptions.mesh: a dtensor.Mesh, not {type(options.mesh).__name__}; or give mesh_spec")
+    if options.mesh_spec:
+        raise UserError(f"RunOptions: mesh_spec={options.mesh_spec!r} and a mesh given; give one of them")
+    if info.num_clients > 1:
+        raise UserError("RunOptions.mesh is for one host; a job of several hosts gives mesh_spec")
+    return options.mesh
 
 
 def _check_image_rows(task, placement) -> None:
@@ -241,6 +260,8 @@ def plan(c: RunConfigs, model_dir: str, options: RunOptions) -> dict:
     before anything is allocated (no device is created); model_dir/plan.json (tfpod.plan)."""
     from tfpod import plan as planner, run_folder
 
+    if options.mesh is not None:
+        raise UserError("--mode=plan plans a mesh spec (mesh_spec), not a built mesh: give mesh_spec")
     check_writable(model_dir)
     with run_folder.take(model_dir):  # plan.json is not written beside a live run
         return planner.plan_mode(c, model_dir, options.mesh_spec or c.experiment.mesh, options.plan_device,
@@ -261,7 +282,7 @@ def run(gin_files: list[str], gin_params: list[str], model_dir: str, mode: str =
       gin_params: bindings applied after them, e.g. "train.steps=200".
       model_dir: the run's folder.
       mode: a key of MODES.
-      **options: RunOptions fields (mesh_spec, cpu_devices, device_type, checkpoint, model_name).
+      **options: RunOptions fields (mesh_spec or mesh, cpu_devices, device_type, checkpoint, model_name).
 
     Returns:
       The mode's result (train: {"step", "loss", "losses", "preempted"}; eval: the metrics).
