@@ -90,3 +90,25 @@ def test_logical_cpu_devices_share_the_cores():
             runtime.initialize(cpu_devices=8, device_type="CPU")
     finally:
         os.environ["TFPOD_GRAPH_OPTIMIZATIONS"] = saved or "0"
+
+
+def test_a_callers_own_mesh_runs_and_what_cannot_be_one_is_one_line(tmp_path):
+    """api.run(..., mesh=M): a dtensor.Mesh the caller built (here over 1 of the 8 devices)
+    instead of a spec; anything else, a spec beside it, or --mode=plan is one line, before
+    anything is written."""
+    from conftest import device_mesh
+    from tfpod.api import run
+
+    small = ["gpt.num_layers=1", "train.steps=1", "train.steps_per_loop=1", "train.log_every=1",
+             "train.synthetic_data=True", "train.global_batch_size=4"]
+    for kwargs, needle in [(dict(mesh="data:1"), "RunOptions.mesh: a dtensor.Mesh, not str; or give mesh_spec"),
+                           (dict(mesh=device_mesh(), mesh_spec="data:8"),
+                            "RunOptions: mesh_spec='data:8' and a mesh given; give one of them"),
+                           (dict(mesh=device_mesh(), mode="plan"), "--mode=plan plans a mesh spec (mesh_spec), not a "
+                                                                   "built mesh: give mesh_spec")]:
+        with pytest.raises(UserError) as e:
+            run(["gin/lm_tiny.gin"], small, str(tmp_path / "bad"), **kwargs)
+        assert str(e.value) == needle
+        assert not (tmp_path / "bad" / "config.gin").exists()
+    out = run(["gin/lm_tiny.gin"], small, str(tmp_path / "one"), mesh=device_mesh())
+    assert out["step"] == 1 and "on mesh data:1,model:1" in (tmp_path / "one" / "layouts.txt").read_text()

@@ -64,10 +64,11 @@ def test_kill9_then_sigterm_then_relaunch_equals_an_uninterrupted_run(tmp_path, 
     and exits 0; the last relaunch (in this process) finishes. Every step's loss and the final
     weights equal an uninterrupted run with the same seed (input position, step, optimizer
     slots and dropout masks restore)."""
+    # On 2 devices (each its own dropout masks); in this process, on 2 of its 8.
     ref = run(["gin/lm_tiny.gin"], KILL_PARAMS + ["train.checkpoint_every=12"], str(tmp_path / "ref"),
-              mesh_spec="data:8")  # uninterrupted: one checkpoint, at the end
+              mesh=device_mesh("data:2"))  # uninterrupted: one checkpoint, at the end
     d = tmp_path / "run"
-    cmd = main_command("--gin_file=gin/lm_tiny.gin", "--cpu_devices=8", "--mesh=data:8", f"--model_dir={d}",
+    cmd = main_command("--gin_file=gin/lm_tiny.gin", "--cpu_devices=2", "--mesh=data:2", f"--model_dir={d}",
                        *[f"--gin_param={p}" for p in KILL_PARAMS])
     start = lambda: subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
@@ -91,7 +92,7 @@ def test_kill9_then_sigterm_then_relaunch_equals_an_uninterrupted_run(tmp_path, 
     assert os.path.exists(d / "checkpoints" / "input-host0" / f"ckpt-{preempted_at}.index")
 
     with caplog.at_level(logging.INFO, logger="tfpod"):
-        run(["gin/lm_tiny.gin"], KILL_PARAMS, str(d), mesh_spec="data:8")
+        run(["gin/lm_tiny.gin"], KILL_PARAMS, str(d), mesh=device_mesh("data:2"))
     assert f"at step {preempted_at}" in caplog.text and "input resumed" in caplog.text
 
     losses = logged_losses(d)
