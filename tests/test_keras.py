@@ -14,6 +14,8 @@ import tensorflow as tf
 import tf_keras
 from tensorflow.experimental import dtensor
 
+from conftest import device_mesh
+
 import tfpod
 from tfpod import UserError, compat
 from tfpod import fused, keras as tk
@@ -329,7 +331,9 @@ def test_embeddings_and_depthwise_convolutions_train_like_unsharded(mesh42, kind
 
 
 def test_mobilenet_v2_trains_sharded():
-    """tf_keras.applications.MobileNetV2 (depthwise convolutions, batch norm, ReLU6) on data:8:
+    """tf_keras.applications.MobileNetV2 (depthwise convolutions, batch norm, ReLU6) on data:2
+    (2 of the 8 devices: each image's half of the batch on its own device, batch norm's
+    statistics over both; 8 devices compiled 4 times the programs for the same check):
     the first step's loss and the weights after it equal plain Keras's, both in float64.
 
     Why float64: one step of this model is discontinuous at ReLU6's kinks. In float32 a
@@ -343,7 +347,7 @@ def test_mobilenet_v2_trains_sharded():
     positions (the first layers), within n 2^-53 of its terms' summed magnitudes (about the
     update's size); twice that for the error carried back from the layers above: 2 n 2^-53
     = 9.1e-13 of the largest update (measured: 4.0e-14, on oneDNN and on Eigen kernels)."""
-    mesh = tfpod.make_mesh("data:8")
+    mesh = device_mesh("data:2")
     build = lambda: tf_keras.applications.MobileNetV2(weights=None, input_shape=(32, 32, 3), classes=5, alpha=0.35)
     rng = np.random.RandomState(0)
     x, y = rng.randn(16, 32, 32, 3), rng.randint(0, 5, (16,)).astype("int32")
@@ -368,7 +372,7 @@ def test_mobilenet_v2_trains_sharded():
     train = tf.data.Dataset.from_tensor_slices((x, y)).batch(16)
     sharded = model.fit(tk.to_mesh(train, mesh), epochs=1, verbose=0).history["loss"]
     reference = plain.fit(train, epochs=1, verbose=0).history["loss"]
-    # Keras logs the loss through a float32 Mean metric: the sharded side sums 8 devices' float32
+    # Keras logs the loss through a float32 Mean metric: the sharded side sums the devices' float32
     # shares, then both divide total by count; each rounding is within 2^-24 relative, and 32
     # of them bound the two paths (a suite run measured 6.9e-7 = 11.6 x 2^-24 on Eigen kernels).
     assert_close(sharded, reference, rtol=32 * 2.0 ** -24)

@@ -136,7 +136,7 @@ def test_the_train_loop_compiles_once_and_checkpoints_keep_the_last_n(tmp_path, 
 @pytest.mark.parametrize("name,lr", [("lamb", 5e-3), ("lars", 0.5)])  # (adamw: the other tests)
 def test_other_optimizers_train(tmp_path, name, lr):
     """Each Model Garden optimizer updates the sharded weights, its slots laid out like them."""
-    trainer, out = train(tmp_path, make_mesh("data:4,model:2"), steps=2, opt={"name": name, "learning_rate": lr},
+    trainer, out = train(tmp_path, device_mesh("data:1,model:2"), steps=2, opt={"name": name, "learning_rate": lr},
                          checkpoint_every=1)
     assert np.all(np.isfinite(out["losses"]))
     kernel = trainer.model.blocks[0].intermediate.kernel
