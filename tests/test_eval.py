@@ -82,14 +82,15 @@ def eval_record(model_dir):
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
-    """train_and_eval on data:8, 4 steps, an eval of 167 rows at steps 2 and 4 (checkpoints at
-    both): (its model_dir, its result)."""
+    """train_and_eval on one of the 8 devices, 4 steps, an eval of 167 rows at steps 2 and 4
+    (checkpoints at both): (its model_dir, its result). Its checkpoints are evaluated on other
+    meshes below."""
     base = tmp_path_factory.mktemp("trained")
     corpus = prepare.ensure()
     source = sorted(tf.io.gfile.glob(prepare.split_paths(corpus, "eval")))[0]
     one_file = "lm_data.eval_files='%s'" % eval_subset(base / "eval.tfrecord", source, range(1, 5))  # 167 rows
     params = SMALL + [one_file, "train.eval_every=2", "train.steps=4"]
-    out = run(["gin/lm_tiny.gin"], params, str(base / "a"), mode="train_and_eval", mesh_spec="data:8")
+    out = run(["gin/lm_tiny.gin"], params, str(base / "a"), mode="train_and_eval", mesh=device_mesh())
     return base / "a", params, out
 
 
