@@ -104,12 +104,13 @@ def device_mesh(spec: str = "data:1,model:1"):
     run folders, goodput, errors) runs on one device, where building, compiling and each
     eager op cost a fraction of what 8 devices do; sharding itself is checked against such
     runs elsewhere (test_train, test_presets)."""
-    from tensorflow.experimental import dtensor
+    import math
 
-    axes = [(name, int(size)) for name, size in (axis.split(":") for axis in spec.split(","))]
-    count = 1
-    for _, size in axes:
-        count *= size
+    from tensorflow.experimental import dtensor
+    from tfpod.mesh import parse_mesh_spec
+
+    count = math.prod(int(axis.split(":")[1]) for axis in spec.split(","))
+    axes = parse_mesh_spec(spec, count)  # (tfpod's own checks of a spec)
     return dtensor.create_mesh(axes, devices=[f"CPU:{i}" for i in range(count)], device_type="CPU")
 
 

@@ -17,8 +17,8 @@ SMALL = ["gpt.num_layers=1", "gpt.embed_dim=64", "gpt.mlp_dim=128", "train.globa
          "train.steps_per_loop=2", "train.log_every=1", "optimizer.decay_steps=8", "optimizer.warmup_steps=0"]
 
 
-def main_args(model_dir, steps, extra=()):
-    args = ["--gin_file=gin/lm_tiny.gin", "--mesh=data:4,model:2", f"--model_dir={model_dir}"]
+def main_args(model_dir, steps, extra=(), mesh="data:4,model:2"):
+    args = ["--gin_file=gin/lm_tiny.gin", f"--mesh={mesh}", f"--model_dir={model_dir}"]
     return args + [f"--gin_param={p}" for p in SMALL + [f"train.steps={steps}", *extra]]
 
 

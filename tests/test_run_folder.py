@@ -135,8 +135,7 @@ PARAMS = ["train.steps=4", "train.checkpoint_every=2"]
 
 def test_two_runs_at_once_on_one_folder_one_host(tmp_path):
     d = tmp_path / "run"
-    args = main_args(d, 4, ["train.checkpoint_every=2"])
-    args = [a.replace("--mesh=data:4,model:2", "--mesh=data:1,model:1") for a in args]  # the folder is the point
+    args = main_args(d, 4, ["train.checkpoint_every=2"], mesh="data:1,model:1")  # the folder is the point
     procs, outs = _start_two(main_command("--cpu_devices=1", *args))
     reference = api.run(["gin/lm_tiny.gin"], SMALL + PARAMS, str(tmp_path / "lone"), mesh=device_mesh())
     _assert_one_refused_one_whole(procs, outs, d, reference["losses"])
