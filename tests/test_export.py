@@ -1,10 +1,11 @@
-"""SavedModel export for TF Serving: each task's checkpoint (LM, BERT, ResNet, Transformer), trained sharded on 8 logical
-devices, exported as a plain single-device SavedModel; `saved_model_cli` lists its
-signatures; a fresh process with only tensorflow and tensorflow_text loads it and gives
-the outputs of the sharded training-time model (relative 1e-5), on raw inputs and (LM, BERT)
-on token ids; a TF Serving PredictRequest for each signature has exactly the inputs it
-declares. Without a vocabulary the LM and BERT export `ids` alone as serving_default; MoE
-serves whole sequences."""
+"""SavedModel export for TF Serving: each task's checkpoint (LM, BERT, ResNet, Transformer),
+trained with its weights split over `model` (2 of the 8 logical devices: MESH), exported
+as a plain single-device SavedModel; `saved_model_cli` lists its signatures; a fresh
+process with only tensorflow and tensorflow_text loads it and gives the outputs of the
+sharded training-time model (relative 1e-5), on raw inputs and (LM, BERT) on token ids;
+a TF Serving PredictRequest for each signature has exactly the inputs it declares. Without
+a vocabulary the LM and BERT export `ids` alone as serving_default; MoE serves whole
+sequences."""
 
 import json
 import os
@@ -22,10 +23,10 @@ from tfpod.input import bert_data, images, lm_data, prepare, text
 from tfpod.api import run
 from tfpod.models import bert, gpt, moe, resnet, transformer
 from tfpod.controller import TrainConfig
-from conftest import make_run
+from conftest import device_mesh, make_run
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-MESH = "data:4,model:2"
+MESH = "data:1,model:2"  # weights split over `model` as tensor parallelism lays them out
 
 # The fresh process: loads every export with only tensorflow and tensorflow_text, runs each
 # signature on the given inputs, and saves the outputs.
@@ -58,8 +59,8 @@ def on_host(x) -> np.ndarray:
 def restored_trainer(task, model_config, model_dir, save=False):
     """The training-time model: sharded over MESH as in training, from model_dir's newest checkpoint
     (with `save`: initialized, and saved as step 0)."""
-    run_ = make_run(task, model_config, TrainConfig(steps=1, global_batch_size=8), optimizers.OptimizerConfig(), MESH,
-                    model_dir)
+    run_ = make_run(task, model_config, TrainConfig(steps=1, global_batch_size=8), optimizers.OptimizerConfig(),
+                    device_mesh(MESH), model_dir)
     if save:
         run_.checkpoints.save()
     else:
@@ -84,7 +85,7 @@ def exports(tmp_path_factory):
     lm_dir = base / "lm"
     params = ["gpt.num_layers=1", "train.steps=2", "train.steps_per_loop=2", "train.log_every=2",
               "train.synthetic_data=True", "train.global_batch_size=8"]
-    run(["gin/lm_tiny.gin"], params, str(lm_dir), mesh_spec=MESH)
+    run(["gin/lm_tiny.gin"], params, str(lm_dir), mesh=device_mesh(MESH))
     first = run(["gin/lm_tiny.gin"], params, str(lm_dir), mode="export")
     second = export.saved_model(str(lm_dir))
     # A tokenizer made before an export in this process lost its resource when the export's
