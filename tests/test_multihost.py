@@ -15,6 +15,7 @@ from tfpod.api import run
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SMALL = ["gpt.num_layers=1", "gpt.embed_dim=64", "gpt.mlp_dim=128", "train.global_batch_size=16",
          "train.steps_per_loop=2", "train.log_every=1", "optimizer.decay_steps=8", "optimizer.warmup_steps=0"]
+SYNTHETIC = SMALL + ["train.synthetic_data=True", "train.steps_per_loop=1", "train.checkpoint_every=1"]
 
 
 def main_args(model_dir, steps, extra=(), mesh="data:4,model:2"):
@@ -39,32 +40,50 @@ def losses(model_dir):
     return [r["loss"] for r in records if r["kind"] == "train"]
 
 
-def test_two_hosts_match_one_process_and_only_host0_writes(tmp_path):
-    """2 hosts x 4 devices train the losses of one process (this one's 8 devices) on the same mesh."""
-    one = run(["gin/lm_tiny.gin"], SMALL + ["train.steps=4", "train.synthetic_data=True"], str(tmp_path / "one"),
-              mesh_spec="data:4,model:2")
-    assert len(one["losses"]) == 4
-    two = launch(tmp_path / "two", 4, ["train.synthetic_data=True"])
-    assert two.returncode == 0, errors(two)
-    np.testing.assert_allclose(losses(tmp_path / "two"), losses(tmp_path / "one"), rtol=1e-5)
-    out = two.stdout
-    assert "[host 0]" in out and "[host 1]" in out
-    assert re.search(r"\[host 1\] .*step 4/4 \| loss", out)  # every host logs its progress
-    assert "host 1 of 2" in out
-    # One metrics.jsonl line per step: only host 0 writes metrics, config and summaries.
-    assert len(losses(tmp_path / "two")) == 4
-    assert len(os.listdir(tmp_path / "two" / "train")) == 1
-
-    # The 2-host checkpoint restores in one process, on another mesh and preset, with identical values.
+def test_two_hosts_train_one_processs_losses_and_write_one_background_checkpoint_to_resume_from(tmp_path):
+    """2 local hosts x 4 devices, data:2,model:4 across them under the 2d preset (weights split
+    over both axes, so each host owns shards), checkpoints written in the background: every
+    host logs its progress, only host 0 writes metrics and summaries; each host writes its own
+    part of a checkpoint and host 0 merges it; the checkpoint restores in one process on
+    another mesh and preset with identical values; relaunched from it, the run repeats one
+    process's losses (this one's 8 devices) step by step."""
+    from test_pipeline import logged_losses
     from test_reliability import assert_restores_identically
+    from tfpod import checkpoint
     from tfpod.config import build_config, build_task_configs, parse_config
 
-    parse_config(["gin/lm_tiny.gin"], SMALL + ["train.steps=4", "train.synthetic_data=True"])
+    d = tmp_path / "run"
+    params = SYNTHETIC + ["train.async_checkpoint=True", "train.checkpoint_every=2", "sharding.preset='2d'"]
+    args = lambda steps: ["--gin_file=gin/lm_tiny.gin", "--mesh=data:2,model:4", f"--model_dir={d}",
+                          *[f"--gin_param={p}" for p in params + [f"train.steps={steps}"]]]
+    out = subprocess.run(launch_command(2, 4, *args(4)), cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, errors(out)
+    assert "[host 0]" in out.stdout and "[host 1]" in out.stdout and "host 1 of 2" in out.stdout
+    assert re.search(r"\[host 1\] .*step 4/4 \| loss", out.stdout)  # every host logs its progress
+    assert len(losses(d)) == 4  # one metrics.jsonl line per step: only host 0 writes metrics, config, summaries
+    assert len(os.listdir(d / "train")) == 1
+    assert "written in the background" in out.stdout + out.stderr
+    copied = [line for line in out.stdout.splitlines() if "copied off the devices" in line]
+    assert len(copied) == 4 and not [line for line in copied if "this host's 0 B" in line]  # 2 saves x 2 hosts
+    assert checkpoint.complete_steps(str(d / "checkpoints")) == [2, 4]
+    assert len(list((d / "checkpoints").glob("ckpt-4.data-*-of-00002"))) == 2  # each host's part
+    assert not list((d / "checkpoints").glob("*_temp*"))
+
+    # The 2-host checkpoint restores in one process, on another mesh and preset, with identical values.
+    parse_config(["gin/lm_tiny.gin"], SYNTHETIC + ["train.steps=6"])
     task, model_config, _ = build_task_configs()
     one_host = make_run(task, model_config, build_config("train"), build_config("optimizer"), "data:8",
                         tmp_path / "restored", preset="data")
-    assert one_host.checkpoints.restore(str(tmp_path / "two" / "checkpoints" / "ckpt-4")) == 4
-    assert_restores_identically(one_host, str(tmp_path / "two" / "checkpoints" / "ckpt-4"))
+    assert one_host.checkpoints.restore(str(d / "checkpoints" / "ckpt-4")) == 4
+    assert_restores_identically(one_host, str(d / "checkpoints" / "ckpt-4"))
+
+    again = subprocess.run(launch_command(2, 4, *args(6)), cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert again.returncode == 0, errors(again)
+    assert f"resumed from {d}/checkpoints/ckpt-4" in again.stdout + again.stderr
+    run(["gin/lm_tiny.gin"], SYNTHETIC + ["train.steps=6"], str(tmp_path / "one"), mesh_spec="data:8")
+    reference, resumed = logged_losses(tmp_path / "one"), logged_losses(d)
+    assert sorted(resumed) == list(range(1, 7))
+    np.testing.assert_allclose([resumed[s] for s in range(1, 7)], [reference[s] for s in range(1, 7)], rtol=1e-5)
 
 
 def test_hosts_read_disjoint_files_and_a_killed_host_stops_the_job_and_the_rerun_resumes(tmp_path):
