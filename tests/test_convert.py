@@ -93,7 +93,8 @@ def test_gpt2_fine_tunes_from_its_config_and_exports_back_to_transformers(gpt2, 
     d, ids, logits = gpt2
     run, out = tmp_path / "run", tmp_path / "out"
     convert.import_hub(str(d / "hub"), str(run))  # (the command line's own run: the bad-folder test)
-    short = ["--cpu_devices=8", "--mesh=data:4,model:2", "--gin_param=train.synthetic_data=True",
+    # Weights split over model:2 (the 8-device tensor mesh: test_gpt2_imports_on_a_tensor_mesh...).
+    short = ["--cpu_devices=2", "--mesh=data:1,model:2", "--gin_param=train.synthetic_data=True",
              "--gin_param=train.log_every=1", "--gin_param=train.steps_per_loop=1",
              "--gin_param=optimizer.learning_rate=1e-3", "--gin_param=optimizer.warmup_steps=0"]
     tuned = main_py(f"--model_dir={run}", "--gin_param=train.steps=2", *short)  # no --gin_file: run/config.gin
@@ -103,7 +104,7 @@ def test_gpt2_fine_tunes_from_its_config_and_exports_back_to_transformers(gpt2, 
     c, _ = single_device(run)
     fresh = make_run(c.task, c.model, TrainConfig(steps=1, global_batch_size=8, synthetic_data=True,
                                                   init_from=f"{run}/checkpoints/ckpt-0"), optimizers.OptimizerConfig(),
-                     "data:4,model:2", tmp_path / "fresh", preset="tensor")
+                     device_mesh("data:1,model:2"), tmp_path / "fresh", preset="tensor")
     with pytest.raises(UserError, match="not of this model"):  # a checkpoint of another model is one line
         make_run(c.task, dataclasses.replace(c.model, mlp_dim=64), TrainConfig(init_from=str(run)),
                  optimizers.OptimizerConfig(), device_mesh(), tmp_path / "other").restore()
