@@ -13,7 +13,7 @@ import pytest
 import tensorflow as tf
 import tf_keras
 
-from conftest import assert_golden_layouts, make_run
+from conftest import assert_golden_layouts, device_mesh, make_run
 from tfpod import UserError, optimizers, partitioning
 from tfpod.input import images
 from tfpod.input.common import ShardInfo
@@ -128,25 +128,26 @@ def make(model_dir, spec, preset):
 
 
 @pytest.fixture(scope="module")
-def data_parallel(tmp_path_factory):
-    """The losses of the data-parallel run on data:8, the reference of the runs below."""
-    return np.array(make(tmp_path_factory.mktemp("data"), "data:8", "data").train()["losses"])
+def one_device(tmp_path_factory):
+    """The losses of a run on one of the 8 devices, the reference of the sharded runs below."""
+    return np.array(make(tmp_path_factory.mktemp("one"), device_mesh(), "data").train()["losses"])
 
 
-def test_data8_equals_data4_model2_tensor(tmp_path, data_parallel):
+def test_data4_model2_tensor_equals_one_device(tmp_path, one_device):
     """Batch norm reduces its moments over the whole batch-sharded tensor (sync batch
-    norm), so the per-device batch does not change the statistics: the losses match."""
-    ref = data_parallel
+    norm), so the per-device batch (4 of 16 here) does not change the statistics: the
+    losses match."""
+    ref = one_device
     tensor = np.array(make(tmp_path / "tensor", "data:4,model:2", "tensor").train()["losses"])
     assert ref.shape == (3,) and ref[-1] < ref[0]
     assert np.max(np.abs(tensor - ref) / np.abs(ref)) < 1e-4, (tensor, ref)
 
 
-def test_spatial_equals_data(tmp_path, data_parallel):
+def test_spatial_equals_one_device(tmp_path, one_device):
     """The `spatial` preset splits every image's rows over `model` (tfpod's halo exchange
     in every convolution and pooling; the 4x4 and smaller maps run with whole rows): the
-    same losses as the data-parallel run."""
-    ref = data_parallel
+    same losses as one device's run."""
+    ref = one_device
     rows = np.array(make(tmp_path / "spatial", "data:2,model:4", "spatial").train()["losses"])
     assert np.max(np.abs(rows - ref) / np.abs(ref)) < 1e-4, (rows, ref)
 
