@@ -159,15 +159,16 @@ def test_resume_is_exact_past_corrupt_and_partial_checkpoints(tmp_path, caplog):
     """8 steps straight, against: 6 steps (checkpoints 2, 4, 6), then ckpt-6 left without its
     data shards and ckpt-4 corrupted (its checksums fail): the rerun reports and moves aside
     both (neither is written over later), resumes from ckpt-2, and every resumed
-    step matches (rel 1e-6). Tensor-parallel, with every dropout on: the replicas of a
+    step matches (rel 1e-6). Tensor-parallel on data:2,model:2, with every dropout on: the replicas of a
     replicated weight stay equal (DTensor's seed reuse once made them drift apart; see
     partitioning.random_layout), so the checkpoint (one replica) continues the same run."""
     model = dict(dropout=0.2, attention_dropout=0.2)
-    straight = train(tmp_path / "full", steps=8, model=model)
+    mesh = device_mesh("data:2,model:2")  # 4 of the 8 devices: replicas over both axes
+    straight = train(tmp_path / "full", mesh, steps=8, model=model)
     full = straight.train()["losses"]
     assert_replicas_agree(straight)
     d = tmp_path / "split"
-    out = train(d, steps=6, checkpoint_every=2, model=model).train()
+    out = train(d, mesh, steps=6, checkpoint_every=2, model=model).train()
     np.testing.assert_allclose(out["losses"], full[:6], rtol=1e-6)
 
     for f in glob.glob(str(d / "checkpoints" / "ckpt-6.data-*")):
@@ -177,7 +178,7 @@ def test_resume_is_exact_past_corrupt_and_partial_checkpoints(tmp_path, caplog):
     raw[len(raw) // 2: len(raw) // 2 + 64] = bytes(64)  # flipped bytes: the tensor checksums fail
     open(data, "wb").write(bytes(raw))
     with caplog.at_level(logging.WARNING, logger="tfpod"):
-        trainer = train(d, steps=8, checkpoint_every=2, model=model)
+        trainer = train(d, mesh, steps=8, checkpoint_every=2, model=model)
         out = trainer.train()
     assert "ckpt-6 is damaged (its data shards are missing" in caplog.text
     assert os.path.exists(d / "checkpoints" / "ckpt-6.corrupt.0.index")
