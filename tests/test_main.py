@@ -25,6 +25,7 @@ def test_default_job_trains_logs_and_checkpoints(tmp_path):
     assert "mesh data:4,model:2 (8 CPU devices); global batch 16; per-device batch 4" in log
     assert "tokens per step 1024" in log
     assert "step 20/20 | loss" in log and "tokens/s" in log and "mfu" in log and "eta" in log
+    assert "trained steps 0..20 in " in log and "step 20's own loss " in log  # the last line: not a window's mean
     # The console is tfpod's: timestamped lines and the layout summary, no start-up noise of TensorFlow's
     # (the CUDA probe, oneDNN, absl's pre-init warning, Grappler's cost model while the step compiles).
     assert "layouts (every variable:" in log and "# total: 36 variables" in log

@@ -281,8 +281,8 @@ class Controller:
             log.warning("preempted: saved %s at step %d; rerun the same command to resume", self.checkpoints.latest,
                         step)
         log.info(
-            "trained steps %d..%d in %s; final loss %.4f",
-            start_step, step, datetime.timedelta(seconds=round(time.time() - t_start)), losses_so_far[-1],
+            "trained steps %d..%d in %s; step %d's own loss %.4f (a step line's: the mean since the line before)",
+            start_step, step, datetime.timedelta(seconds=round(time.time() - t_start)), step, losses_so_far[-1],
         )
         self.writer.flush()
         return {"step": step, "loss": last_loss, "losses": losses_so_far, "preempted": preempted}
