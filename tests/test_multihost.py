@@ -23,11 +23,6 @@ def main_args(model_dir, steps, extra=(), mesh="data:4,model:2"):
     return args + [f"--gin_param={p}" for p in SMALL + [f"train.steps={steps}", *extra]]
 
 
-def launch(model_dir, steps, extra=(), timeout=600):
-    cmd = launch_command(2, 4, *main_args(model_dir, steps, extra))
-    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
-
-
 def errors(proc):
     """The lines that say what went wrong, for assertion messages."""
     lines = (proc.stdout + proc.stderr).splitlines()
