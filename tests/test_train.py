@@ -66,7 +66,7 @@ def test_meshes_give_the_single_device_loss(tmp_path):
     """Same seed and global batch: every mesh's losses match one device's (relative 1e-3).
 
     The reference runs on one of this process's devices (a process with one CPU device,
-    main.py's --cpu_devices=1, gives the same losses: test_eval and test_ssd evaluate there).
+    main.py's --cpu_devices=1, gives the same eval metrics: test_eval evaluates there).
     """
     ref_dir = tmp_path / "one"
     run(["gin/lm_tiny.gin"], SMALL_PARAMS, str(ref_dir), mesh=device_mesh())
