@@ -214,38 +214,39 @@ def test_export_detects_the_demo_shapes_from_jpeg_bytes(trained):
     assert hits >= 5, hits  # the best detection is a right one in most images
 
 
-def _eval_ap(trained, tmp_path, name, command):
-    """AP of `command` (an eval of a copy of the trained run) at the trained step."""
-    import shutil
-    import subprocess
+def _last_eval(model_dir) -> dict:
+    """The newest eval record in model_dir's metrics.jsonl."""
+    return [json.loads(line) for line in open(os.path.join(model_dir, "metrics.jsonl")) if '"eval"' in line][-1]
 
-    from conftest import ROOT
+
+def _eval_ap(trained, tmp_path, name, evaluate):
+    """The eval record of `evaluate(folder)` run on a copy of the trained run."""
+    import shutil
 
     copy = tmp_path / name
     shutil.copytree(trained, copy)
-    proc = subprocess.run([c.replace("MODEL_DIR", str(copy)) for c in command], cwd=ROOT, capture_output=True,
-                          text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    evals = [json.loads(line) for line in open(copy / "metrics.jsonl") if '"eval"' in line]
-    return evals[-1]
+    evaluate(copy)
+    return _last_eval(copy)
 
 
 def test_the_same_ap_on_1_device_8_devices_and_2_hosts(trained, tmp_path):
     """The checkpoint trained on 1 device evaluated on 8 devices (in process) and on 2 local
     hosts x 4 devices: every eval image counted once, the detections gathered to host 0,
     the same COCO AP."""
-    import shutil
+    import subprocess
 
-    from conftest import launch_command
+    from conftest import ROOT, launch_command
     from tfpod.api import run
 
-    evals = [json.loads(line) for line in open(os.path.join(trained, "metrics.jsonl")) if '"eval"' in line]
-    ref = evals[-1]
-    shutil.copytree(trained, tmp_path / "eight")
-    run(["gin/ssd_tiny.gin"], [], str(tmp_path / "eight"), mode="eval")
-    eight = [json.loads(line) for line in open(tmp_path / "eight" / "metrics.jsonl") if '"eval"' in line][-1]
-    args = ["--gin_file=gin/ssd_tiny.gin", "--model_dir=MODEL_DIR", "--mode=eval"]
-    hosts = _eval_ap(trained, tmp_path, "hosts", launch_command(2, 4, *args, "--mesh=data:8"))
+    def two_hosts(folder):
+        command = launch_command(2, 4, "--gin_file=gin/ssd_tiny.gin", f"--model_dir={folder}", "--mode=eval",
+                                 "--mesh=data:8")
+        proc = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+
+    ref = _last_eval(trained)
+    eight = _eval_ap(trained, tmp_path, "eight", lambda folder: run(["gin/ssd_tiny.gin"], [], str(folder), mode="eval"))
+    hosts = _eval_ap(trained, tmp_path, "hosts", two_hosts)
     for got in (eight, hosts):
         assert got["step"] == ref["step"] and got["coco_images"] == ref["coco_images"] == 128
         for name in ssd_eval.AP_NAMES:
