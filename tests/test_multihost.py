@@ -15,6 +15,7 @@ from tfpod.api import run
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SMALL = ["gpt.num_layers=1", "gpt.embed_dim=64", "gpt.mlp_dim=128", "train.global_batch_size=16",
          "train.steps_per_loop=2", "train.log_every=1", "optimizer.decay_steps=8", "optimizer.warmup_steps=0"]
+PIPELINE = ["gpt.num_layers=2", "train.microbatches=2", "sharding.pipeline_schedule='1f1b'"]  # 1 block per stage
 SYNTHETIC = SMALL + ["train.synthetic_data=True", "train.steps_per_loop=1", "train.checkpoint_every=1"]
 
 
@@ -35,23 +36,49 @@ def losses(model_dir):
     return [r["loss"] for r in records if r["kind"] == "train"]
 
 
+def logged_losses(model_dir) -> dict[int, float]:
+    """Each logged step's loss (a step replayed after a kill keeps its last value)."""
+    out = {}
+    for line in open(os.path.join(model_dir, "metrics.jsonl")):
+        record = json.loads(line)
+        if record.get("kind") == "train":
+            out[record["step"]] = record["loss"]
+    return out
+
+
+def host_pids(model_dir) -> dict[int, int]:
+    """The processes of the hosts training in model_dir: pid -> DTensor client id (from their env)."""
+    pids = {}
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            env = open(f"/proc/{pid}/environ", "rb").read().split(b"\0")
+            cmdline = open(f"/proc/{pid}/cmdline", "rb").read()
+        except OSError:
+            continue
+        client = [v.split(b"=", 1)[1] for v in env if v.startswith(b"DTENSOR_CLIENT_ID=")]
+        if client and str(model_dir).encode() in cmdline:
+            pids[int(pid)] = int(client[0])
+    return pids
+
+
 def test_two_hosts_train_one_processs_losses_and_write_one_background_checkpoint_to_resume_from(tmp_path):
     """2 local hosts x 4 devices, data:2,model:4 across them under the 2d preset (weights split
     over both axes, so each host owns shards), checkpoints written in the background: every
     host logs its progress, only host 0 writes metrics and summaries; each host writes its own
     part of a checkpoint and host 0 merges it; the checkpoint restores in one process on
-    another mesh and preset with identical values; relaunched from it, the run repeats one
-    process's losses (this one's 8 devices) step by step."""
-    from test_pipeline import logged_losses
+    another mesh and preset with identical values; relaunched from it as a pipeline
+    (stage:2,data:2,model:2, each host holding part of every stage, 2 microbatches, 1f1b), the
+    run repeats one unpipelined process's losses (this one's 8 devices) step by step."""
     from test_reliability import assert_restores_identically
     from tfpod import checkpoint
     from tfpod.config import build_config, build_task_configs, parse_config
 
     d = tmp_path / "run"
-    params = SYNTHETIC + ["train.async_checkpoint=True", "train.checkpoint_every=2", "sharding.preset='2d'"]
-    args = lambda steps: ["--gin_file=gin/lm_tiny.gin", "--mesh=data:2,model:4", f"--model_dir={d}",
-                          *[f"--gin_param={p}" for p in params + [f"train.steps={steps}"]]]
-    out = subprocess.run(launch_command(2, 4, *args(4)), cwd=ROOT, capture_output=True, text=True, timeout=600)
+    params = SYNTHETIC + ["gpt.num_layers=2", "train.async_checkpoint=True", "train.checkpoint_every=2"]
+    args = lambda steps, mesh, extra: ["--gin_file=gin/lm_tiny.gin", f"--mesh={mesh}", f"--model_dir={d}",
+                                       *[f"--gin_param={p}" for p in params + [f"train.steps={steps}", *extra]]]
+    out = subprocess.run(launch_command(2, 4, *args(4, "data:2,model:4", ["sharding.preset='2d'"])), cwd=ROOT,
+                         capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, errors(out)
     assert "[host 0]" in out.stdout and "[host 1]" in out.stdout and "host 1 of 2" in out.stdout
     assert re.search(r"\[host 1\] .*step 4/4 \| loss", out.stdout)  # every host logs its progress
@@ -65,73 +92,87 @@ def test_two_hosts_train_one_processs_losses_and_write_one_background_checkpoint
     assert not list((d / "checkpoints").glob("*_temp*"))
 
     # The 2-host checkpoint restores in one process, on another mesh and preset, with identical values.
-    parse_config(["gin/lm_tiny.gin"], SYNTHETIC + ["train.steps=6"])
+    parse_config(["gin/lm_tiny.gin"], SYNTHETIC + ["gpt.num_layers=2", "train.steps=6"])
     task, model_config, _ = build_task_configs()
     one_host = make_run(task, model_config, build_config("train"), build_config("optimizer"), "data:8",
                         tmp_path / "restored", preset="data")
     assert one_host.checkpoints.restore(str(d / "checkpoints" / "ckpt-4")) == 4
     assert_restores_identically(one_host, str(d / "checkpoints" / "ckpt-4"))
 
-    again = subprocess.run(launch_command(2, 4, *args(6)), cwd=ROOT, capture_output=True, text=True, timeout=600)
+    again = subprocess.run(launch_command(2, 4, *args(6, "stage:2,data:2,model:2", PIPELINE[1:])), cwd=ROOT,
+                           capture_output=True, text=True, timeout=600)
     assert again.returncode == 0, errors(again)
     assert f"resumed from {d}/checkpoints/ckpt-4" in again.stdout + again.stderr
-    run(["gin/lm_tiny.gin"], SYNTHETIC + ["train.steps=6"], str(tmp_path / "one"), mesh_spec="data:8")
+    assert "stage:2,data:2,model:2" in again.stdout and "2 pipeline stages (1f1b)" in again.stdout
+    run(["gin/lm_tiny.gin"], SYNTHETIC + ["gpt.num_layers=2", "train.steps=6"], str(tmp_path / "one"),
+        mesh_spec="data:8")
     reference, resumed = logged_losses(tmp_path / "one"), logged_losses(d)
     assert sorted(resumed) == list(range(1, 7))
     np.testing.assert_allclose([resumed[s] for s in range(1, 7)], [reference[s] for s in range(1, 7)], rtol=1e-5)
 
 
-def test_hosts_read_disjoint_files_and_a_killed_host_stops_the_job_and_the_rerun_resumes(tmp_path):
+def test_pipelined_hosts_read_disjoint_files_a_killed_host_stops_the_job_and_the_rerun_resumes_exactly(tmp_path):
+    """2 hosts x 4 devices on stage:2,data:2,model:2 (each host holds part of every stage),
+    reading the lm_tiny train files: host 1 killed with -9 mid-run stops the job (the launcher
+    kills host 0, which waits on it). The relaunch takes the dead job's claim on the folder over,
+    moves its damaged newest checkpoint aside, resumes from the one before with the input's
+    position, and repeats the killed run's losses step by step; a preemption notice sent twice
+    to the launcher reaches both hosts, which save the same step and exit 0."""
     d = tmp_path / "run"
-    cmd = launch_command(2, 4, *main_args(d, 400, ["train.checkpoint_every=4"]))
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    # Wait for a complete checkpoint, then kill host 1 (the process whose env says client 1).
+    cmd = lambda steps: launch_command(2, 4, *main_args(d, steps, [*PIPELINE, "train.checkpoint_every=2"], mesh="stage:2,data:2,model:2"))
+    proc = subprocess.Popen(cmd(400), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.time() + 300
-    while time.time() < deadline and not os.path.exists(d / "checkpoints" / "ckpt-4.index"):
+    while time.time() < deadline and proc.poll() is None and not os.path.exists(d / "checkpoints" / "ckpt-4.index"):
         time.sleep(0.2)
     assert os.path.exists(d / "checkpoints" / "ckpt-4.index"), "no checkpoint in time"
-    victim = None
-    for pid in os.listdir("/proc"):
-        if pid.isdigit():
-            try:
-                env = open(f"/proc/{pid}/environ", "rb").read().split(b"\0")
-                cmdline = open(f"/proc/{pid}/cmdline", "rb").read()
-            except OSError:
-                continue
-            if b"DTENSOR_CLIENT_ID=1" in env and str(d).encode() in cmdline:
-                victim = int(pid)
-    assert victim
+    victim = [pid for pid, client in host_pids(d).items() if client == 1]
+    assert len(victim) == 1
     killed_at = time.time()
-    os.kill(victim, signal.SIGKILL)
+    os.kill(victim[0], signal.SIGKILL)
     stdout, stderr = proc.communicate(timeout=120)
     assert time.time() - killed_at < 60
     assert proc.returncode != 0
     assert "error: host 1 was killed by SIGKILL" in stderr.strip().splitlines()[-1]
-
+    assert "stage:2,data:2,model:2" in stdout and "2 pipeline stages (1f1b)" in stdout
     files = {h: set(re.search(rf"\[host {h}\] .*input: host {h} of 2 reads \d+ file\(s\): (\S+)", stdout).group(1).split(","))
              for h in (0, 1)}
     assert files[0] and files[1] and not files[0] & files[1]
     assert len(files[0] | files[1]) == 32  # together the hosts read every train shard
 
-    # The rerun resumes; a preemption notice sent twice (cluster managers repeat it) to the launcher
-    # reaches both hosts (TensorFlow's runtime had taken SIGTERM over in C++ and ignored it): they
-    # save the same step and everything exits 0.
-    saved = sorted(int(f[5:-6]) for f in os.listdir(d / "checkpoints") if f.startswith("ckpt-") and f.endswith(".index"))
-    cmd = launch_command(2, 4, *main_args(d, saved[-1] + 400, ["train.checkpoint_every=4"]))
+    killed = logged_losses(d)
+    holder = json.load(open(d / "claim.json"))  # the killed job's claim on the folder stays
+    newest = max(int(f.name[5:-6]) for f in (d / "checkpoints").glob("ckpt-*.index"))
+    saved = newest - 2
+    assert 4 <= newest and max(killed) >= newest
+    # ... and its newest checkpoint damaged (a shard of another write beside its own): moved aside.
+    shards = list((d / "checkpoints").glob(f"ckpt-{newest}.data-*"))
+    (d / "checkpoints" / f"ckpt-{newest}.data-00000-of-{len(shards) + 1:05d}").write_bytes(shards[0].read_bytes())
+
+    # The rerun; a preemption notice sent twice (cluster managers repeat it) to the launcher reaches
+    # both hosts (TensorFlow's runtime had taken SIGTERM over in C++ and ignored it).
     logged = len(_logged_steps(d))
-    rerun = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    rerun = subprocess.Popen(cmd(newest + 400), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.time() + 300
-    while time.time() < deadline and rerun.poll() is None and len(_logged_steps(d)) < logged + 2:
+    while time.time() < deadline and rerun.poll() is None and max(_logged_steps(d)[logged:], default=0) < newest + 2:
         time.sleep(0.2)
     rerun.send_signal(signal.SIGTERM)
     time.sleep(0.5)
     rerun.send_signal(signal.SIGTERM)
     stdout, stderr = rerun.communicate(timeout=180)
     assert rerun.returncode == 0, stderr[-3000:]
-    assert f"at step {saved[-1]}" in stdout and "input resumed" in stdout
+    out = stdout + stderr
+    assert "was claimed by a run that is gone" in out and f"process {holder['pid']}" in out
+    assert f"ckpt-{newest} is damaged" in out and (d / "checkpoints" / f"ckpt-{newest}.corrupt.0.index").exists()
+    assert f"resumed from {d}/checkpoints/ckpt-{saved} at step {saved}" in out and "input resumed" in stdout
     steps = {h: re.search(rf"\[host {h}\] .*preempted: saved \S+ at step (\d+)", stdout) for h in (0, 1)}
     assert steps[0] and steps[1], stdout[-3000:]
-    assert steps[0].group(1) == steps[1].group(1) and int(steps[0].group(1)) < saved[-1] + 400
+    assert steps[0].group(1) == steps[1].group(1) and newest + 2 <= int(steps[0].group(1)) < newest + 400
+    assert not (d / "claim.json").exists()
+    # The replayed steps (the killed run's, from the checkpoint before the damaged one) repeat its losses.
+    resumed = logged_losses(d)
+    replayed = [s for s in range(saved + 1, max(killed) + 1) if s in resumed]
+    assert replayed[:2] == [saved + 1, saved + 2]
+    np.testing.assert_allclose([resumed[s] for s in replayed], [killed[s] for s in replayed], rtol=1e-6)
 
 
 def _logged_steps(model_dir):

@@ -5,21 +5,17 @@ losses must equal that run's (relative 1e-4) step by step: here M microbatches i
 8 on `stage:2,data:4` (MoE), `stage:2,data:2,model:2` and `stage:4,data:2`, both
 schedules, sequence parallelism and recomputation inside the stages (`bench/pipeline.py
 --parts=equality` runs every mesh x M x schedule).
-Checkpoints move between pipelined and unpipelined meshes both ways; 2 hosts (each
-holding part of every stage) are killed with -9 mid-run and resume exactly.
+Checkpoints move between pipelined and unpipelined meshes both ways. (2 hosts, each holding
+part of every stage: tests/test_multihost.py, killed with -9 mid-run and resumed exactly, and
+resumed from an unpipelined checkpoint with one unpipelined process's losses.)
 """
 
-import json
-import os
 import shutil
-import signal
-import subprocess
-import time
 
 import numpy as np
 import pytest
 
-from conftest import ROOT, launch_command, make_run
+from conftest import make_run
 from tfpod import UserError, optimizers
 from tfpod.api import run
 from tfpod.controller import Controller, TrainConfig
@@ -183,76 +179,3 @@ def test_every_stage_takes_a_share_of_every_host():
         [f"/job:worker/replica:0/task:1/device:CPU:{i}" for i in (0, 1)],
         [f"/job:worker/replica:0/task:1/device:CPU:{i}" for i in (2, 3)]]
     assert [loc["data"] for loc in meshes[1].local_device_locations()] == [1, 1]
-
-
-# -- two hosts, kill -9 --------------------------------------------------------------------------
-
-HOSTS = ["--gin_file=gin/lm_tiny.gin", "--mesh=stage:2,data:2,model:2"]
-PARAMS = ["gpt.num_layers=2", "gpt.embed_dim=64", "gpt.mlp_dim=128", "train.global_batch_size=16",
-          "train.steps_per_loop=2", "train.log_every=1", "train.checkpoint_every=2", "train.microbatches=2",
-          "sharding.pipeline_schedule='1f1b'", "optimizer.decay_steps=8", "optimizer.warmup_steps=0",
-          "train.synthetic_data=True"]
-
-
-def logged_losses(model_dir):
-    out = {}
-    for line in open(os.path.join(model_dir, "metrics.jsonl")):
-        record = json.loads(line)
-        if record.get("kind") == "train":
-            out[record["step"]] = record["loss"]  # a step replayed after the kill keeps its last value
-    return out
-
-
-def host_pids(model_dir) -> list[int]:
-    """The processes of the hosts training in model_dir (their env names a DTensor client)."""
-    pids = []
-    for pid in os.listdir("/proc"):
-        try:
-            env = open(f"/proc/{pid}/environ", "rb").read()
-            cmdline = open(f"/proc/{pid}/cmdline", "rb").read()
-        except OSError:
-            continue
-        if b"DTENSOR_CLIENT_ID=" in env and str(model_dir).encode() in cmdline:
-            pids.append(int(pid))
-    return pids
-
-
-def test_two_hosts_pipeline_killed_and_resumed_equals_one_unpipelined_process(tmp_path):
-    """Every step's loss of the killed and resumed 2-host pipeline equals one process's
-    (this one's 8 devices) on data:8, unpipelined, over the same steps. The relaunch takes
-    the killed job's claim on the folder over (tfpod.run_folder) and moves its damaged
-    newest checkpoint aside."""
-    args = lambda d, steps: [f"--model_dir={d}"] + [f"--gin_param={p}" for p in PARAMS + [f"train.steps={steps}"]]
-    d = tmp_path / "two"
-    first = subprocess.Popen(launch_command(2, 4, *HOSTS, *args(d, 200)), cwd=ROOT, stdout=subprocess.PIPE,
-                             stderr=subprocess.PIPE, text=True)
-    deadline = time.time() + 300
-    while time.time() < deadline and first.poll() is None and not os.path.exists(d / "checkpoints" / "ckpt-4.index"):
-        time.sleep(0.2)
-    for pid in host_pids(d):  # every host, mid-run; the launcher then stops
-        os.kill(pid, signal.SIGKILL)
-    first.communicate(timeout=60)
-    holder = json.load(open(d / "claim.json"))  # the killed job's claim on the folder stays
-    newest = max(int(f.name[5:-6]) for f in (d / "checkpoints").glob("ckpt-*.index"))
-    end = newest + 4
-    assert 4 <= newest and end <= 16
-    # ... and its newest checkpoint damaged (a shard of another write beside its own): moved aside.
-    shards = list((d / "checkpoints").glob(f"ckpt-{newest}.data-*"))
-    (d / "checkpoints" / f"ckpt-{newest}.data-00000-of-{len(shards) + 1:05d}").write_bytes(shards[0].read_bytes())
-    saved = newest - 2
-    second = subprocess.run(launch_command(2, 4, *HOSTS, *args(d, end)), cwd=ROOT, capture_output=True, text=True,
-                            timeout=600)
-    assert second.returncode == 0, second.stderr[-3000:]
-    out = second.stdout + second.stderr
-    assert "stage:2,data:2,model:2" in second.stdout and "2 pipeline stages (1f1b)" in second.stdout
-    assert "was claimed by a run that is gone" in out and f"process {holder['pid']}" in out
-    assert f"ckpt-{newest} is damaged" in out and (d / "checkpoints" / f"ckpt-{newest}.corrupt.0.index").exists()
-    assert f"resumed from {d}/checkpoints/ckpt-{saved} at step {saved}" in out
-    assert not (d / "claim.json").exists()
-    one = run(["gin/lm_tiny.gin"], PARAMS + [f"train.steps={end}", "train.checkpoint_every=1000"],
-              str(tmp_path / "one"), mesh_spec="data:8")  # (its checkpoints are not what is compared)
-    assert len(one["losses"]) == end
-    reference, resumed = logged_losses(tmp_path / "one"), logged_losses(d)
-    assert sorted(resumed)[-1] == end and all(s in resumed for s in range(1, end + 1))
-    np.testing.assert_allclose([resumed[s] for s in range(1, end + 1)], [reference[s] for s in range(1, end + 1)],
-                               rtol=1e-5)
