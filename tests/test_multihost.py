@@ -114,7 +114,7 @@ def test_two_hosts_train_one_processs_losses_and_write_one_background_checkpoint
 def test_pipelined_hosts_read_disjoint_files_a_killed_host_stops_the_job_and_the_rerun_resumes_exactly(tmp_path):
     """2 hosts x 4 devices on stage:2,data:2,model:2 (each host holds part of every stage),
     reading the lm_tiny train files: host 1 killed with -9 mid-run stops the job (the launcher
-    kills host 0, which waits on it). The relaunch takes the dead job's claim on the folder over,
+    kills host 0, which waits on it, here stopped). The relaunch takes the dead job's claim on the folder over,
     moves its damaged newest checkpoint aside, resumes from the one before with the input's
     position, and repeats the killed run's losses step by step; a preemption notice sent twice
     to the launcher reaches both hosts, which save the same step and exit 0."""
@@ -125,10 +125,13 @@ def test_pipelined_hosts_read_disjoint_files_a_killed_host_stops_the_job_and_the
     while time.time() < deadline and proc.poll() is None and not os.path.exists(d / "checkpoints" / "ckpt-4.index"):
         time.sleep(0.2)
     assert os.path.exists(d / "checkpoints" / "ckpt-4.index"), "no checkpoint in time"
-    victim = [pid for pid, client in host_pids(d).items() if client == 1]
-    assert len(victim) == 1
+    hosts = {client: pid for pid, client in host_pids(d).items()}
+    assert sorted(hosts) == [0, 1]
+    # Host 0 held still first, so that the launcher's SIGKILL, not the lost-host error (which
+    # gives the claim back), ends it: the dead job's claim stays, as after a machine failure.
+    os.kill(hosts[0], signal.SIGSTOP)
     killed_at = time.time()
-    os.kill(victim[0], signal.SIGKILL)
+    os.kill(hosts[1], signal.SIGKILL)
     stdout, stderr = proc.communicate(timeout=120)
     assert time.time() - killed_at < 60
     assert proc.returncode != 0
