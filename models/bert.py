@@ -60,7 +60,7 @@ from tfpod.input import bert_data
 from tfpod.models import gpt, lm_serving
 from tfpod.partitioning import AxisRule, shard
 from tfpod.models import plan_profiles
-from tfpod.task import StagedModel, Task
+from tfpod.task import LossTerms, StagedModel, Task
 
 ACTIVATIONS = ("gelu", "gelu_approximate", "relu")
 
@@ -374,40 +374,38 @@ def _cross_entropy(logits: tf.Tensor, labels: tf.Tensor) -> tf.Tensor:
     return tf.reduce_logsumexp(logits, axis=-1) - label_logit
 
 
-def loss_and_metrics(model: BertPretrainer, batch: dict, training: bool):
+def loss_terms(model: BertPretrainer, batch: dict, training: bool) -> LossTerms:
     """Masked-LM cross entropy averaged over the real predictions of the global batch,
-    plus (with next_sentence) the next-sentence cross entropy averaged over examples,
+    plus the next-sentence cross entropy averaged over examples (0 without next_sentence),
     as Google's run_pretraining.py.
 
     Returns:
-      (loss, {"loss_sum", "weight_sum", "masked_lm_loss", "next_sentence_loss"}) as
-      float32 scalars; loss_sum / weight_sum is the masked-LM loss.
+      LossTerms [masked-LM sum, next-sentence sum] with metrics {"loss_sum", "weight_sum",
+      "masked_lm_loss", "next_sentence_loss"} (this batch's; float32 scalars):
+      loss_sum / weight_sum is the masked-LM loss.
     """
     mlm_logits, nsp_logits = model(model_inputs(batch), training=training, with_next_sentence=True)
-    sums, counts = loss_sums(mlm_logits, nsp_logits, batch), loss_counts(batch, nsp_logits is not None)
-    loss_sum, weight_sum = sums[0], counts[0]
-    mlm_loss = loss_sum / tf.maximum(weight_sum, 1.0)
-    nsp_loss = sums[1] / counts[1] if nsp_logits is not None else tf.constant(0.0)
-    metrics = {"loss_sum": loss_sum, "weight_sum": weight_sum, "masked_lm_loss": mlm_loss,
-               "next_sentence_loss": nsp_loss}
-    return mlm_loss + nsp_loss, metrics
+    sums, counts = loss_sums(mlm_logits, nsp_logits, batch), loss_counts(batch)
+    metrics = {"loss_sum": sums[0], "weight_sum": counts[0], "masked_lm_loss": sums[0] / tf.maximum(counts[0], 1.0),
+               "next_sentence_loss": sums[1] / tf.maximum(counts[1], 1.0)}
+    return LossTerms(sums, metrics=metrics)
 
 
 def loss_sums(mlm_logits, nsp_logits, batch: dict) -> list:
-    """The summed pretraining losses: masked LM over the real predictions, then (with NSP
-    logits) next sentence over the examples; each loss is its sum over its `loss_counts`."""
+    """The summed pretraining losses: masked LM over the real predictions, then next sentence
+    over the examples (0 without NSP logits); each is averaged over its `loss_counts`."""
     weights = tf.cast(batch["masked_lm_weights"], tf.float32)  # [batch, predictions]
-    sums = [tf.reduce_sum(_cross_entropy(mlm_logits, batch["masked_lm_ids"]) * weights)]
-    if nsp_logits is not None:
-        labels = tf.reshape(tf.cast(batch["next_sentence_labels"], tf.int32), [-1])  # [batch]
-        sums.append(tf.reduce_sum(_cross_entropy(nsp_logits, labels)))
-    return sums
+    mlm = tf.reduce_sum(_cross_entropy(mlm_logits, batch["masked_lm_ids"]) * weights)
+    if nsp_logits is None:
+        return [mlm, tf.zeros_like(mlm)]
+    labels = tf.reshape(tf.cast(batch["next_sentence_labels"], tf.int32), [-1])  # [batch]
+    return [mlm, tf.reduce_sum(_cross_entropy(nsp_logits, labels))]
 
 
-def loss_counts(batch: dict, next_sentence: bool) -> list:
+def loss_counts(batch: dict) -> list:
     """What each of `loss_sums` is averaged over: real predictions, then examples."""
     weights = tf.cast(batch["masked_lm_weights"], tf.float32)
-    return [tf.reduce_sum(weights)] + ([tf.reduce_sum(tf.ones_like(weights[:, 0]))] if next_sentence else [])
+    return [tf.reduce_sum(weights), tf.reduce_sum(tf.ones_like(weights[:, 0]))]
 
 
 def staged(model: BertPretrainer) -> StagedModel:
@@ -419,8 +417,7 @@ def staged(model: BertPretrainer) -> StagedModel:
         blocks=compat.transformer_layers(encoder),
         block=model.block_and_aux,
         outputs=lambda x, batch: model.heads(x, batch)[0],
-        loss=lambda x, batch, training: loss_sums(*model.heads(x, batch), batch),
-        loss_weight=lambda batch: loss_counts(batch, model.config.next_sentence),
+        loss_sums=lambda x, batch, training: loss_sums(*model.heads(x, batch), batch),
         activation_axes=gpt.ACTIVATION_AXES,
         first_layers=compat.encoder_input_layers(encoder),
         last_layers=(encoder.pooler_layer, model.masked_lm, model.next_sentence),
@@ -538,7 +535,8 @@ class BertTask(Task):
     model_inputs = staticmethod(model_inputs)
     synthetic_batch = staticmethod(synthetic_batch)
     make_input = staticmethod(bert_data.bert_input)
-    loss_and_metrics = staticmethod(loss_and_metrics)
+    loss_terms = staticmethod(loss_terms)
+    loss_counts = staticmethod(loss_counts)
     serving = staticmethod(serving)
     plan_profile = staticmethod(functools.partial(plan_profiles.bert, flops=flops_per_token))
     staged = staticmethod(staged)

@@ -31,7 +31,7 @@ from tfpod import UserError, compat, evaluation, fused
 from tfpod.input import lm_data
 from tfpod.models import lm_serving, plan_profiles
 from tfpod.partitioning import AxisRule, rows_split, shard
-from tfpod.task import StagedModel, Task
+from tfpod.task import LossTerms, StagedModel, Task
 
 # The residual stream between blocks: its sequence dimension is the logical axis
 # `sequence`, which only sequence parallelism maps to a mesh axis (`model`).
@@ -133,7 +133,7 @@ class GPT(tf_keras.Model):
     def call(self, inputs, training=None, return_hidden=False):
         """Logits [batch, length, vocab] float32, or with `return_hidden` the final layer
         norm's output [batch, length, embed] that the tied output layer multiplies
-        (`loss_and_metrics` then computes the output layer and the loss together)."""
+        (`loss_terms` then computes the output layer and the loss together)."""
         features = inputs if isinstance(inputs, dict) else {"inputs": inputs}
         x = self.embed_inputs(features, training)
         mask = causal_mask(features["inputs"], features.get("segment_ids"))  # [batch, length, length]
@@ -380,18 +380,29 @@ def synthetic_batch(config: GPTConfig, batch_size: int, rng: np.random.Generator
     }
 
 
-def loss_and_metrics(model: GPT, batch: dict, training: bool):
-    """Mean next-token cross entropy over weighted tokens.
+def loss_terms(model: GPT, batch: dict, training: bool) -> LossTerms:
+    """Next-token cross entropy: [the weighted token losses' sum], averaged over `loss_counts`.
 
     When the embedding's vocab rows are whole on every device, the tied output layer and
     the loss are one function (`output_layer_loss`); when they are split over a mesh axis
     (vocab-parallel), the logits go through `loss_from_logits`.
 
     Returns:
-      (loss, {"loss_sum", "weight_sum"}) as float32 scalars.
+      LossTerms with metrics {"loss_sum", "weight_sum"} (float32 scalars).
     """
     x = model(model_inputs(batch), training=training, return_hidden=True)  # [batch, length, embed]
-    return head_loss(model, x, batch)
+    return head_terms(model, x, batch)
+
+
+def loss_counts(batch: dict) -> list:
+    """The weighted tokens: what the token losses' sum is averaged over."""
+    return [tf.reduce_sum(tf.cast(batch["weights"], tf.float32))]
+
+
+def head_terms(model: GPT, x: tf.Tensor, batch: dict) -> LossTerms:
+    """The loss terms of the final hidden states x [batch, length, embed] (the tied output layer's)."""
+    _, metrics = head_loss(model, x, batch)
+    return LossTerms([metrics["loss_sum"]], metrics=metrics)
 
 
 def head_loss(model: GPT, x: tf.Tensor, batch: dict):
@@ -410,8 +421,7 @@ def staged(model: GPT) -> StagedModel:
         blocks=model.blocks,
         block=model.block_and_aux,
         outputs=lambda x, batch: model.output_logits(model.final_hidden(x)),
-        loss=lambda x, batch, training: [head_loss(model, model.final_hidden(x), batch)[1]["loss_sum"]],
-        loss_weight=lambda batch: [tf.reduce_sum(tf.cast(batch["weights"], tf.float32))],
+        loss_sums=lambda x, batch, training: head_terms(model, model.final_hidden(x), batch).sums,
         activation_axes=ACTIVATION_AXES,
         first_layers=(model.token_embedding, model.position_embedding),
         last_layers=(model.final_norm,),
@@ -529,7 +539,8 @@ class GPTTask(Task):
     model_inputs = staticmethod(model_inputs)
     synthetic_batch = staticmethod(synthetic_batch)
     make_input = staticmethod(lm_data.lm_input)
-    loss_and_metrics = staticmethod(loss_and_metrics)
+    loss_terms = staticmethod(loss_terms)
+    loss_counts = staticmethod(loss_counts)
     serving = staticmethod(lm_serving.serving)
     staged = staticmethod(staged)
     plan_profile = staticmethod(functools.partial(plan_profiles.gpt, flops=flops_per_token))

@@ -44,6 +44,7 @@ import tf_keras
 from tfpod import UserError, fused, partitioning
 from tfpod.models import gpt, lm_serving, plan_profiles
 from tfpod.partitioning import AxisRule, shard, stages
+from tfpod.task import LossTerms
 
 NAME = "moe"
 
@@ -372,17 +373,19 @@ class MoELM(gpt.GPT):
         return tf.add_n([tf.cast(l, tf.float32) for l in losses]) / float(len(losses))
 
 
-def loss_and_metrics(model: MoELM, batch: dict, training: bool):
-    """Next-token cross entropy (gpt's) plus aux_loss_coef times the mean MoE load-balancing loss.
+def loss_terms(model: MoELM, batch: dict, training: bool) -> LossTerms:
+    """Next-token cross entropy (gpt's terms) plus, as the aux term, aux_loss_coef times the
+    mean MoE load-balancing loss.
 
     Returns:
-      (loss, metrics): the training loss and {"loss_sum", "weight_sum"} (the LM loss
-      alone, as evaluation reads it), "lm_loss" and "aux_loss", float32 scalars.
+      LossTerms with metrics {"loss_sum", "weight_sum"} (the LM loss alone, as evaluation
+      reads it), "lm_loss" (this batch's) and "aux_loss", float32 scalars.
     """
-    lm_loss, metrics = gpt.loss_and_metrics(model, batch, training)
+    terms = gpt.loss_terms(model, batch, training)
     aux_loss = model.aux_loss()
-    loss = lm_loss + model.config.aux_loss_coef * aux_loss
-    return loss, {**metrics, "lm_loss": lm_loss, "aux_loss": aux_loss}
+    metrics = dict(terms.metrics)
+    metrics.update(lm_loss=metrics["loss_sum"] / tf.maximum(metrics["weight_sum"], 1.0), aux_loss=aux_loss)
+    return LossTerms(terms.sums, aux=model.config.aux_loss_coef * aux_loss, metrics=metrics)
 
 
 def flops_per_token(config: MoEConfig) -> float:
@@ -411,10 +414,10 @@ class MoETask(gpt.GPTTask):
     axis_rules = AXIS_RULES
 
     build = staticmethod(MoELM)
+    loss_terms = staticmethod(loss_terms)
     # Its routing groups are slices of seq_len tokens: served on ids padded to seq_len.
     serving = staticmethod(functools.partial(lm_serving.serving, whole_sequences=True))
     flops_per_token = staticmethod(flops_per_token)
-    loss_and_metrics = staticmethod(loss_and_metrics)
     plan_profile = staticmethod(functools.partial(plan_profiles.moe, flops=flops_per_token))
 
 

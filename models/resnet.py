@@ -36,7 +36,7 @@ from tfpod import UserError, evaluation, fused
 from tfpod.input import images as images_lib
 from tfpod.partitioning import AxisRule, shard, spatial
 from tfpod.models import plan_profiles
-from tfpod.task import Task
+from tfpod.task import LossTerms, Task
 
 
 def _mg_resnet():
@@ -184,13 +184,12 @@ def synthetic_batch(config: ResNetConfig, batch_size: int, rng: np.random.Genera
     }
 
 
-def loss_and_metrics(model: ResNetClassifier, batch: dict, training: bool):
-    """Label-smoothed softmax cross entropy, averaged over weighted images.
-
-    Weight decay is the optimizer's (LARS applies it), not part of the loss.
+def loss_terms(model: ResNetClassifier, batch: dict, training: bool) -> LossTerms:
+    """Label-smoothed softmax cross entropy: [its sum over weighted images], averaged over
+    `loss_counts`. Weight decay is the optimizer's (LARS applies it), not part of the loss.
 
     Returns:
-      (loss, {"loss_sum", "weight_sum"}) as float32 scalars.
+      LossTerms with metrics {"loss_sum", "weight_sum"} (float32 scalars).
     """
     logits = model(model_inputs(batch), training=training)  # [batch, classes]
     classes = logits.shape[-1]
@@ -201,8 +200,12 @@ def loss_and_metrics(model: ResNetClassifier, batch: dict, training: bool):
     image_loss = log_z - tf.reduce_sum(targets * logits, axis=-1)  # [batch]
     weights = batch["weights"]
     loss_sum = tf.reduce_sum(image_loss * weights)
-    weight_sum = tf.reduce_sum(weights)
-    return loss_sum / tf.maximum(weight_sum, 1.0), {"loss_sum": loss_sum, "weight_sum": weight_sum}
+    return LossTerms([loss_sum], metrics={"loss_sum": loss_sum, "weight_sum": tf.reduce_sum(weights)})
+
+
+def loss_counts(batch: dict) -> list:
+    """The weighted images: what the image losses' sum is averaged over."""
+    return [tf.reduce_sum(tf.cast(batch["weights"], tf.float32))]
 
 
 def forward_macs(config: ResNetConfig) -> float:
@@ -291,7 +294,8 @@ class ResNetTask(Task):
     model_inputs = staticmethod(model_inputs)
     synthetic_batch = staticmethod(synthetic_batch)
     make_input = staticmethod(images_lib.image_input)
-    loss_and_metrics = staticmethod(loss_and_metrics)
+    loss_terms = staticmethod(loss_terms)
+    loss_counts = staticmethod(loss_counts)
     serving = staticmethod(serving)
     plan_profile = staticmethod(plan_profiles.conv)
 

@@ -30,7 +30,7 @@ is the preset. `depth_multiplier` scales every width (the tiny models),
 `block_repeats` the blocks per group and `num_feature_maps` how many maps carry
 heads (fewer for small images: a 3x3 VALID layer needs a 3x3 map).
 
-Loss (`loss_and_metrics`, the reference's `Loss`): per image, smooth L1 (beta 1) on the
+Loss (`loss_terms`, the reference's `Loss`): per image, smooth L1 (beta 1) on the
 offsets of the default boxes matched to an object, plus softmax cross entropy over the
 matched boxes and the 3 x positives unmatched boxes of highest cross entropy (hard
 negative mining, ranked per image), divided by the image's positives; images without
@@ -66,7 +66,7 @@ from tfpod.input import detection, images as images_lib
 from tfpod.models import ssd_eval
 from tfpod.partitioning import AxisRule, shard, spatial
 from tfpod.models import plan_profiles
-from tfpod.task import EvalContext, Task
+from tfpod.task import EvalContext, LossTerms, Task
 
 
 def _nn_blocks():
@@ -344,18 +344,22 @@ def l2_penalty(model: tf_keras.Model) -> tf.Tensor:
     return tf.add_n([tf.nn.l2_loss(w) for w in weights])
 
 
-def loss_and_metrics(model: SSD, batch, training: bool):
-    """SSD loss averaged over weighted images, plus weight decay when training.
+def loss_terms(model: SSD, batch, training: bool) -> LossTerms:
+    """SSD loss: [its sum over weighted images], averaged over `loss_counts`; weight decay
+    the aux term when training.
 
     Returns:
-      (loss, {"loss_sum", "box_loss_sum", "class_loss_sum", "positives_sum", "weight_sum"}).
+      LossTerms with metrics {"loss_sum", "box_loss_sum", "class_loss_sum", "positives_sum", "weight_sum"}.
     """
     predictions = model(model_inputs(batch), training=training)  # [batch, boxes, 4 + classes]
     sums = _loss_sums(predictions, batch, model.config.negative_ratio)
-    loss = sums["loss_sum"] / tf.maximum(sums["weight_sum"], 1.0)
-    if training and model.config.weight_decay:
-        loss += model.config.weight_decay * l2_penalty(model)
-    return loss, sums
+    aux = model.config.weight_decay * l2_penalty(model) if training and model.config.weight_decay else None
+    return LossTerms([sums["loss_sum"]], aux=aux, metrics=sums)
+
+
+def loss_counts(batch) -> list:
+    """The weighted images: what the image losses' sum is averaged over."""
+    return [tf.reduce_sum(tf.cast(batch["weights"], tf.float32))]
 
 
 def _metric_update(predictions: tf.Tensor, batch) -> dict:
@@ -544,7 +548,8 @@ class SSDTask(Task):
     model_inputs = staticmethod(model_inputs)
     synthetic_batch = staticmethod(synthetic_batch)
     make_input = staticmethod(make_input)
-    loss_and_metrics = staticmethod(loss_and_metrics)
+    loss_terms = staticmethod(loss_terms)
+    loss_counts = staticmethod(loss_counts)
     host_eval_metrics = staticmethod(coco_metrics)
     serving = staticmethod(serving)
     plan_profile = staticmethod(plan_profiles.conv)

@@ -62,7 +62,7 @@ from tfpod import UserError, compat, evaluation
 from tfpod.input import translation as translation_data
 from tfpod.partitioning import AxisRule, shard
 from tfpod.models import plan_profiles
-from tfpod.task import EvalContext, Task
+from tfpod.task import EvalContext, LossTerms, Task
 
 log = logging.getLogger("tfpod")
 
@@ -352,21 +352,26 @@ def _smoothed_cross_entropy(logits: tf.Tensor, labels: tf.Tensor, smoothing: flo
     return plain, log_z - expected_logit - minimum
 
 
-def loss_and_metrics(model: Seq2SeqTransformer, batch: dict, training: bool):
-    """Label-smoothed cross entropy averaged over the real target tokens of the global batch.
+def loss_terms(model: Seq2SeqTransformer, batch: dict, training: bool) -> LossTerms:
+    """Label-smoothed cross entropy: [its sum over the real target tokens], averaged over
+    `loss_counts` (the global batch's real target tokens).
 
     Returns:
-      (loss, {"loss_sum", "weight_sum", "cross_entropy"}) as float32 scalars;
-      loss_sum / weight_sum is the loss, cross_entropy the plain (unsmoothed) one.
+      LossTerms with metrics {"loss_sum", "weight_sum", "cross_entropy"} (float32 scalars;
+      cross_entropy: this batch's plain, unsmoothed one).
     """
     logits = model(model_inputs(batch), training=training)  # [batch, tgt_len, vocab]
     weights = tf.cast(batch["weights"], tf.float32)  # [batch, tgt_len]
     plain, smoothed = _smoothed_cross_entropy(logits, batch["targets"], model.config.label_smoothing)
     weight_sum = tf.reduce_sum(weights)
     loss_sum = tf.reduce_sum(smoothed * weights)
-    denominator = tf.maximum(weight_sum, 1.0)
-    return loss_sum / denominator, {"loss_sum": loss_sum, "weight_sum": weight_sum,
-                                    "cross_entropy": tf.reduce_sum(plain * weights) / denominator}
+    return LossTerms([loss_sum], metrics={"loss_sum": loss_sum, "weight_sum": weight_sum,
+                                          "cross_entropy": tf.reduce_sum(plain * weights) / tf.maximum(weight_sum, 1.0)})
+
+
+def loss_counts(batch: dict) -> list:
+    """The real target tokens: what the token losses' sum is averaged over."""
+    return [tf.reduce_sum(tf.cast(batch["weights"], tf.float32))]
 
 
 EVAL_SMOOTHING = 0.1  # the smoothing of the eval's smoothed_loss (MLPerf's), whatever the training's
@@ -579,7 +584,8 @@ class TransformerTask(Task):
     model_inputs = staticmethod(model_inputs)
     synthetic_batch = staticmethod(synthetic_batch)
     make_input = staticmethod(translation_data.translation_input)
-    loss_and_metrics = staticmethod(loss_and_metrics)
+    loss_terms = staticmethod(loss_terms)
+    loss_counts = staticmethod(loss_counts)
     host_eval_metrics = staticmethod(decode_metrics)
     serving = staticmethod(serving)
     plan_profile = staticmethod(functools.partial(plan_profiles.transformer, flops=flops_per_token))

@@ -97,7 +97,7 @@ def test_aux_loss_is_in_the_training_loss_and_reaches_the_router():
     grads = []
     for m in (model, remat):
         with tf.GradientTape(persistent=True) as tape:
-            loss, metrics = moe.loss_and_metrics(m, batch, True)
+            loss, metrics = moe.TASK.loss_and_metrics(m, batch, True)
         assert float(loss) == pytest.approx(float(metrics["lm_loss"]) + 0.5 * float(metrics["aux_loss"]), rel=1e-6)
         assert 0.9 < float(metrics["aux_loss"]) < 2.0  # near 1 (balanced) at initialization
         assert float(metrics["loss_sum"]) / float(metrics["weight_sum"]) == pytest.approx(float(metrics["lm_loss"]))

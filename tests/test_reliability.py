@@ -20,6 +20,7 @@ from tfpod.api import run
 from tfpod.controller import Controller, TrainConfig
 from tfpod.mesh import make_mesh
 from tfpod.models import gpt
+from tfpod.task import LossTerms
 SMALL = dict(vocab_size=256, seq_len=32, num_layers=1, embed_dim=64, num_heads=8, mlp_dim=128)
 
 
@@ -232,18 +233,18 @@ class PoisonedBatches(gpt.GPTTask):
                      for i in batch_indices]
         self.gradient = gradient
 
-    def loss_and_metrics(self, model, batch, training):
-        loss, metrics = gpt.loss_and_metrics(model, batch, training)
+    def loss_terms(self, model, batch, training):
+        terms = gpt.loss_terms(model, batch, training)
         total = tf.reduce_sum(tf.cast(batch["inputs"], tf.int64))
         bad = tf.reduce_any(tf.equal(total, tf.constant(self.sums, tf.int64)))
         if not self.gradient:
-            return loss + tf.where(bad, float("nan"), 0.0), metrics
+            return LossTerms(terms.sums, aux=tf.where(bad, float("nan"), 0.0))
 
         @tf.custom_gradient
         def poison(x):  # 0 forward; NaN gradient on a bad batch
             return tf.reduce_sum(x) * 0.0, lambda dy: tf.ones_like(x) * tf.where(bad, float("nan"), 0.0)
 
-        return loss + poison(model.final_norm.gamma), metrics
+        return LossTerms(terms.sums, aux=poison(model.final_norm.gamma))
 
 
 def test_nonfinite_steps_never_reach_the_weights_or_a_checkpoint(tmp_path, caplog):

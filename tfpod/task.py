@@ -97,8 +97,23 @@ class Task(abc.ABC):
     # -- training and evaluation ----------------------------------------------
 
     @abc.abstractmethod
+    def loss_terms(self, model, batch: Mapping[str, tf.Tensor], training: bool) -> "LossTerms":
+        """The loss of one global batch (or one microbatch of it) as sums over its rows,
+        inside the compiled step: each term of `sums` is averaged over its count in
+        `loss_counts` of the whole step's batch, so any split into microbatches gives the
+        loss of the unsplit batch (tfpod.trainer accumulates them; the pipeline too)."""
+
+    @abc.abstractmethod
+    def loss_counts(self, batch: Mapping[str, tf.Tensor]) -> list[tf.Tensor]:
+        """What each of `loss_terms`' sums is averaged over in `batch` (float32 scalars, one per
+        term: e.g. [the weighted tokens]; BERT: [real predictions, examples]). From the batch
+        alone: the trainer sums them over the microbatches before any forward pass."""
+
     def loss_and_metrics(self, model, batch: Mapping[str, tf.Tensor], training: bool) -> tuple[tf.Tensor, dict]:
-        """(scalar float32 loss, {name: scalar}) of one global batch, inside the compiled step."""
+        """(scalar float32 loss, {name: scalar}) of one whole batch: `loss_terms` averaged over
+        `loss_counts`."""
+        terms = self.loss_terms(model, batch, training)
+        return terms.loss(self.loss_counts(batch)), dict(terms.metrics)
 
     def host_eval_metrics(self, context: "EvalContext", host_batches: Sequence[Mapping[str, np.ndarray]]) -> dict:
         """Metrics computed on the hosts after the on-device ones (the Transformer's BLEU). Default: none."""
@@ -116,6 +131,33 @@ class Task(abc.ABC):
     @abc.abstractmethod
     def serving(self, model, config, data_config) -> tuple[tf.Module, dict]:
         """(module holding the single-device model, {signature name: concrete function})."""
+
+
+@dataclasses.dataclass(frozen=True)
+class LossTerms:
+    """A (micro)batch's loss as `Task.loss_terms` gives it.
+
+    Attributes:
+      sums: each loss term summed over the batch's rows (e.g. [the weighted token losses];
+        BERT: [masked-LM sum, next-sentence sum]), float32 scalars.
+      aux: a term that is already a mean, its weight included (MoE load balancing, SSD's
+        weight decay), or None; a microbatch adds its share, aux / microbatches.
+      metrics: {name: float32 scalar} of this batch (for tests and tools; the step logs the loss).
+    """
+
+    sums: Sequence[tf.Tensor]
+    aux: tf.Tensor | None = None
+    metrics: Mapping[str, tf.Tensor] = dataclasses.field(default_factory=dict)
+
+    def loss(self, counts: Sequence[tf.Tensor], microbatches: int = 1) -> tf.Tensor:
+        """sum over the terms of sum / max(count, 1), plus aux / microbatches: this batch's share of
+        the step's loss, where `counts` are the whole step's (`Task.loss_counts`, summed)."""
+        if len(counts) != len(self.sums):
+            raise ValueError(f"{len(self.sums)} loss sums but {len(counts)} counts")
+        parts = [tf.cast(s, tf.float32) / tf.maximum(tf.cast(c, tf.float32), 1.0) for s, c in zip(self.sums, counts)]
+        if self.aux is not None:
+            parts.append(tf.cast(self.aux, tf.float32) / microbatches)
+        return tf.add_n(parts)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -179,13 +221,9 @@ class StagedModel:
       block: (block, x, context, training) -> (x, aux loss): one block; aux is this
         block's own term of the loss (e.g. MoE load balancing, already weighted) or None.
       outputs: (x, batch) -> the model's outputs, as `Task.eval_metric` reads them (last stage).
-      loss: (x, batch, training) -> a microbatch's summed loss terms, a list (e.g. [the
-        weighted sum of token losses]; BERT: [masked-LM sum, next-sentence sum]), without
-        the blocks' aux terms (last stage).
-      loss_weight: batch -> each term's count in the microbatch, a list as long (e.g. [the
-        weighted tokens]; BERT: [real predictions, examples]): the batch's loss is, summed
-        over the terms, sum(term) / max(sum(count), 1) over its microbatches, plus the
-        blocks' aux terms averaged over the microbatches.
+      loss_sums: (x, batch, training) -> a microbatch's `LossTerms.sums` from the last
+        block's output, without the blocks' aux terms (last stage); each is averaged over
+        its count in `Task.loss_counts` of the whole step, the aux terms over the microbatches.
       activation_axes: logical axes of x between blocks.
       first_layers, last_layers: the layers whose weights live on the first / last stage.
     """
@@ -195,8 +233,7 @@ class StagedModel:
     blocks: Sequence
     block: Callable
     outputs: Callable
-    loss: Callable
-    loss_weight: Callable
+    loss_sums: Callable
     activation_axes: tuple
     first_layers: Sequence
     last_layers: Sequence

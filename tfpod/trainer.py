@@ -28,8 +28,18 @@ from tfpod.partitioning import Placement
 from tfpod.task import EvalContext, Task
 
 
-def make_train_loop(model, update: optimizers.Update, loss_fn, clip_norm: float | None, steps_per_loop: int):
+def make_train_loop(model, update: optimizers.Update, task: Task, clip_norm: float | None, steps_per_loop: int,
+                    microbatches: int = 1):
     """The compiled training loop: up to `steps_per_loop` steps per call.
+
+    A step's loss is `task.loss_terms` over `task.loss_counts` of its whole batch. With
+    microbatches > 1 each step's batch comes as [microbatches, rows / microbatches, ...]
+    (`partitioning.placement.split_microbatches`): the counts are summed over the
+    microbatches first, then each microbatch's share of the loss (its sums over the whole
+    step's counts, its aux term over the microbatches) is differentiated in turn and the
+    gradients summed: the loss and gradients of the unsplit batch (up to rounding; batch
+    norm normalizes each microbatch), one microbatch's activations alive at a time, and
+    one update. Dropout draws each microbatch's own masks.
 
     A step whose loss or gradient norm is NaN or Inf only advances the step counter:
     its update is not applied, so weights and optimizer slots keep finite values (what
@@ -38,21 +48,40 @@ def make_train_loop(model, update: optimizers.Update, loss_fn, clip_norm: float 
     Args:
       model: the sharded model.
       update: applies the gradients (its optimizer's state already created).
-      loss_fn: (model, batch, training) -> (loss, metrics).
+      task: its loss_terms and loss_counts.
       clip_norm: global-norm gradient clipping (None or 0: off).
       steps_per_loop: the leading dimension of the stacked batches.
+      microbatches: microbatches per step.
 
     Returns:
       fn(stacked_batches, num_steps) -> (losses [steps_per_loop], grad_norms
       [steps_per_loop]); entries past num_steps are 0.
     """
     variables = model.trainable_variables
+    m = microbatches
+
+    def share(batch, counts, index):
+        """(this microbatch's share of the step's loss, its gradients)."""
+        with tf.GradientTape() as tape, partitioning.gathered_weights(), partitioning.microbatch(index):
+            loss = task.loss_terms(model, batch, True).loss(counts, m)
+        return loss, [tf.convert_to_tensor(g) for g in tape.gradient(loss, variables)]  # IndexedSlices -> dense
+
+    def loss_and_gradients(batch):
+        if m == 1:
+            return share(batch, task.loss_counts(batch), None)
+        take = lambda j: {k: tf.gather(v, j) for k, v in batch.items()}
+        counts = [tf.add_n(list(term)) for term in zip(*[task.loss_counts(take(j)) for j in range(m)])]
+        loss, grads = share(take(0), counts, 0)  # the first outside the loop: its gradients' layouts start it
+
+        def body(j, loss, grads):
+            part, more = share(take(j), counts, j)
+            return j + 1, loss + part, [g + h for g, h in zip(grads, more)]
+
+        _, loss, grads = tf.while_loop(lambda j, *_: j < m, body, (tf.constant(1), loss, grads))
+        return loss, grads
 
     def train_step(batch):
-        with tf.GradientTape() as tape, partitioning.gathered_weights():
-            loss, _ = loss_fn(model, batch, True)
-        grads = tape.gradient(loss, variables)
-        grads = [tf.convert_to_tensor(g) for g in grads]  # IndexedSlices -> dense
+        loss, grads = loss_and_gradients(batch)
         if clip_norm:
             grads, norm = tf.clip_by_global_norm(grads, clip_norm)
         else:
@@ -102,8 +131,8 @@ class Trainer:
       precision: float32, or mixed_bfloat16.
       seed: initialization and dropout.
       data_config: the task's data config, for its host-side eval metrics (EvalContext).
-      microbatches: microbatches per step; with pipeline stages (placement.stages) or
-        more than one, the step is tfpod.pipeline's.
+      microbatches: microbatches per step: their gradients accumulate into one update
+        (`make_train_loop`; with pipeline stages, placement.stages, tfpod.pipeline's step).
       schedule: the pipeline schedule, "gpipe" or "1f1b".
     """
 
@@ -113,7 +142,8 @@ class Trainer:
         self.task, self.model_config, self.placement = task, model_config, placement
         self.data_config = data_config
         self.optimizer_name, self.steps_per_loop = optimizer_config.name, steps_per_loop
-        self.pipelined = placement.num_stages > 1 or microbatches > 1
+        self.pipelined = placement.num_stages > 1
+        self.microbatches = microbatches
         self.schedule = schedule
         stage_of = None
         if self.pipelined:
@@ -139,11 +169,11 @@ class Trainer:
                 self.update.follow_stages()
                 for v in self.model.variables + optimizers.slot_variables(self.optimizer) + self.update.shadow_list():
                     partitioning.stages.save_through(v, placement.mesh)
-            self.pipeline = pipeline.Pipeline(pipeline.staged_model(task, self.model), placement, self.update,
-                                              optimizer_config.clip_norm, schedule, microbatches)
+            self.pipeline = pipeline.Pipeline(pipeline.staged_model(task, self.model), task.loss_counts, placement,
+                                              self.update, optimizer_config.clip_norm, schedule, microbatches)
             return
-        self._loop = make_train_loop(self.model, self.update, task.loss_and_metrics, optimizer_config.clip_norm,
-                                     steps_per_loop)
+        self._loop = make_train_loop(self.model, self.update, task, optimizer_config.clip_norm, steps_per_loop,
+                                     microbatches)
 
     def layout_report(self) -> str:
         """The layout report of the weights and the optimizer state (layouts.txt)."""
@@ -167,7 +197,14 @@ class Trainer:
         """
         if self.pipeline:
             return self._pipelined_loop(host_stack, num_steps)
-        stacked = self.placement.to_global(host_stack, self.task.batch_axes(), leading_dims=1)
+        leading = 1
+        if self.microbatches > 1:
+            axes = self.task.batch_axes()
+            axis = self.placement.batch_axis(tuple(axes[next(iter(host_stack))]))
+            host_stack = partitioning.split_microbatches(host_stack, self.microbatches,
+                                                         len(partitioning.local_shards(self.placement.mesh, axis)), 1)
+            leading = 2
+        stacked = self.placement.to_global(host_stack, self.task.batch_axes(), leading_dims=leading)
         with self.placement.activations():
             losses, norms = self._loop(stacked, tf.constant(num_steps, tf.int32))
         return runtime.to_host(losses)[:num_steps], runtime.to_host(norms)[:num_steps]

@@ -54,8 +54,9 @@ from tfpod.partitioning.activations import activation_sharding, active_context, 
 from tfpod.partitioning import spatial, stages
 from tfpod.partitioning.build import (build_sharded, compute_layout, gather_when_used, gathered_weights, rows_split,
                                       lazy_model, update_layout, variable_specs)
-from tfpod.partitioning.dropout import random_layout, replayable_dropout
-from tfpod.partitioning.placement import Placement, batch_mesh_axis, host_rows, local_shards, place
+from tfpod.partitioning.dropout import microbatch, random_layout, replayable_dropout
+from tfpod.partitioning.placement import (Placement, batch_mesh_axis, check_microbatches, host_rows, local_shards,
+                                         place, split_microbatches)
 from tfpod.partitioning.report import bytes_per_device, layout_report
 from tfpod.partitioning.rules import (GATHER_AXIS, LOGICAL_AXES, PRESETS, UPDATE_AXIS, AxisRule, ShardingConfig, VarSpec,
                                       check_mesh_axes, layout_for, resolve, rules_table)
@@ -74,13 +75,16 @@ __all__ = [
     "update_layout",
     "variable_specs",
     "lazy_model",
+    "microbatch",
     "random_layout",
     "replayable_dropout",
     "Placement",
     "batch_mesh_axis",
+    "check_microbatches",
     "host_rows",
     "local_shards",
     "place",
+    "split_microbatches",
     "bytes_per_device",
     "layout_report",
     "GATHER_AXIS",

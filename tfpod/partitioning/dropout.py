@@ -55,8 +55,9 @@ _MICROBATCH = threading.local()
 
 
 @contextlib.contextmanager
-def microbatch(index: int):
-    """Within this context dropout masks are drawn for microbatch `index` of the step (a pipeline's)."""
+def microbatch(index):
+    """Within this context dropout masks are drawn for microbatch `index` of the step (an int, or
+    the int32 loop counter of the train step's accumulation)."""
     with scoped(_MICROBATCH, "index", index):
         yield
 
@@ -64,8 +65,12 @@ def microbatch(index: int):
 def _step_seed(step: tf.Variable, layer_seed: int) -> tf.Tensor:
     """The stateless seed of one dropout layer at the current step (and microbatch):
     [layer_seed + microbatch * 2^32, step]."""
-    offset = (getattr(_MICROBATCH, "index", None) or 0) << 32
-    return tf.stack([tf.constant(layer_seed + offset, tf.int64), tf.cast(step, tf.int64)])
+    index = getattr(_MICROBATCH, "index", None)
+    if index is None or isinstance(index, int):
+        first = tf.constant(layer_seed + ((index or 0) << 32), tf.int64)
+    else:
+        first = tf.constant(layer_seed, tf.int64) + tf.cast(index, tf.int64) * (1 << 32)
+    return tf.stack([first, tf.cast(step, tf.int64)])
 
 
 def _dropout(seed_fn, inputs: tf.Tensor, rate, noise_shape=None) -> tf.Tensor:

@@ -39,6 +39,34 @@ def local_shards(mesh: dtensor.Mesh, batch_axis: str | None) -> list[int]:
     return sorted({loc[batch_axis] for loc in mesh.local_device_locations()})
 
 
+def split_microbatches(host_batch: Mapping[str, np.ndarray], microbatches: int, local_shards: int,
+                       leading_dims: int = 0) -> dict[str, np.ndarray]:
+    """A host batch [*leading, rows, ...] as [*leading, microbatches, rows / microbatches, ...].
+
+    The host's rows are `local_shards` equal blocks, one per batch shard it feeds;
+    microbatch i takes the i-th slice of every block, so each microbatch is split over
+    the batch axis like the whole batch.
+    """
+    out = {}
+    for name, value in host_batch.items():
+        value = np.asarray(value)
+        lead, rows, rest = value.shape[:leading_dims], value.shape[leading_dims], value.shape[leading_dims + 1:]
+        per = rows // local_shards // microbatches
+        blocks = value.reshape(lead + (local_shards, microbatches, per) + rest)  # [*lead, shards, M, per, ...]
+        out[name] = np.swapaxes(blocks, leading_dims, leading_dims + 1).reshape(
+            lead + (microbatches, local_shards * per) + rest)
+    return out
+
+
+def check_microbatches(global_batch: int, batch_shards: int, microbatches: int) -> None:
+    """The per-shard batch must divide into the microbatches (one UserError line otherwise)."""
+    per_shard = global_batch // batch_shards
+    if per_shard % microbatches:
+        raise UserError(f"train.microbatches={microbatches} does not divide the {per_shard} examples each batch shard "
+                        f"holds (train.global_batch_size={global_batch} over {batch_shards} shards): use a divisor "
+                        f"of {per_shard}, or a larger global batch")
+
+
 def host_rows(global_batch: int, mesh: dtensor.Mesh, batch_axis: str | None, num_hosts: int | None = None) -> int:
     """Rows of the global batch this host must supply.
 

@@ -10,7 +10,8 @@ weight and its optimizer state are created on their stage's mesh, and one compil
 runs a schedule (`schedules`: GPipe or 1F1B) over `train.microbatches` microbatches,
 accumulates their gradients and applies one optimizer step (`step.Pipeline`). The
 presets, sequence parallelism and recomputation apply inside each stage. Without a
-`stage` axis, train.microbatches > 1 is gradient accumulation on the one mesh.
+`stage` axis, train.microbatches > 1 is gradient accumulation on the one mesh, for every
+model (tfpod.trainer.make_train_loop).
 
   schedules  the per-stage action orders, their timeline, bubble and peak activations
   step       Pipeline: the compiled train step and the eval forward over the stages
@@ -20,7 +21,8 @@ from __future__ import annotations
 
 from tfpod import UserError
 from tfpod.pipeline import schedules
-from tfpod.pipeline.step import Pipeline, check_microbatches, split_microbatches, variable_stages
+from tfpod.partitioning.placement import check_microbatches, split_microbatches
+from tfpod.pipeline.step import Pipeline, variable_stages
 from tfpod.task import StagedModel, Task
 
 
@@ -31,8 +33,9 @@ def staged_model(task, model) -> StagedModel:
         from tfpod.models import TASKS
 
         able = ", ".join(sorted(n for n, t in TASKS.items() if type(t).staged is not Task.staged))
-        raise UserError(f"model {task.name!r} does not run in pipeline stages (a `stage` mesh axis, or "
-                        f"train.microbatches > 1): pipelines are for {able}; drop the stage axis")
+        raise UserError(f"model {task.name!r} does not run in pipeline stages (a `stage` mesh axis): pipelines "
+                        f"are for {able}; drop the stage axis (train.microbatches alone accumulates gradients "
+                        f"for every model)")
     return staged
 
 

@@ -26,9 +26,10 @@ from tensorflow.experimental import dtensor
 
 from tfpod import UserError, compat
 from tfpod.partitioning import Placement, gathered_weights, layout_for, local_shards, shard, stages
+from tfpod.partitioning.placement import split_microbatches
 from tfpod.partitioning.dropout import microbatch
 from tfpod.pipeline import schedules
-from tfpod.task import StagedModel
+from tfpod.task import LossTerms, StagedModel
 
 
 def stage_blocks(staged: StagedModel, num_stages: int) -> list[list]:
@@ -58,33 +59,6 @@ def variable_stages(staged: StagedModel, num_stages: int) -> dict[int, int]:
     return owner
 
 
-def split_microbatches(host_batch: Mapping[str, np.ndarray], microbatches: int, local_shards: int
-                       ) -> dict[str, np.ndarray]:
-    """A host batch [rows, ...] as [microbatches, rows / microbatches, ...].
-
-    The host's rows are `local_shards` equal blocks, one per batch shard it feeds;
-    microbatch i takes the i-th slice of every block, so each microbatch is split over
-    the batch axis like the whole batch.
-    """
-    out = {}
-    for name, value in host_batch.items():
-        value = np.asarray(value)
-        rows = value.shape[0]
-        per = rows // local_shards // microbatches
-        blocks = value.reshape((local_shards, microbatches, per) + value.shape[1:])  # [shards, M, per, ...]
-        out[name] = np.swapaxes(blocks, 0, 1).reshape((microbatches, local_shards * per) + value.shape[1:])
-    return out
-
-
-def check_microbatches(global_batch: int, batch_shards: int, microbatches: int) -> None:
-    """The per-shard batch must divide into the microbatches (one UserError line otherwise)."""
-    per_shard = global_batch // batch_shards
-    if per_shard % microbatches:
-        raise UserError(f"train.microbatches={microbatches} does not divide the {per_shard} examples each batch shard "
-                        f"holds (train.global_batch_size={global_batch} over {batch_shards} shards): use a divisor "
-                        f"of {per_shard}, or a larger global batch")
-
-
 def after(x: tf.Tensor, previous: Sequence[tf.Tensor]) -> tf.Tensor:
     """x, made to wait for `previous` (what the stage's last action produced) by a data
     dependency: x + 0 * sum(the smallest of them). DTensor's passes do not keep control
@@ -102,6 +76,7 @@ class Pipeline:
 
     Args:
       staged: the model cut into pieces (Task.staged).
+      loss_counts: the task's (Task.loss_counts): what each of `staged.loss_sums` is averaged over.
       placement: the mesh's stages (one stage: gradient accumulation over microbatches).
       update: the optimizer update (its state created on the stages).
       clip_norm: global-norm clipping (None or 0: off).
@@ -109,9 +84,9 @@ class Pipeline:
       microbatches: microbatches per step.
     """
 
-    def __init__(self, staged: StagedModel, placement: Placement, update, clip_norm: float | None, schedule: str,
-                 microbatches: int):
-        self.staged, self.placement, self.update = staged, placement, update
+    def __init__(self, staged: StagedModel, loss_counts, placement: Placement, update, clip_norm: float | None,
+                 schedule: str, microbatches: int):
+        self.staged, self.loss_counts, self.placement, self.update = staged, loss_counts, placement, update
         self.clip_norm, self.microbatches = clip_norm, microbatches
         self.num_stages = p = placement.num_stages
         self.stage_blocks = stage_blocks(staged, p)
@@ -176,8 +151,8 @@ class Pipeline:
         staged, p, m = self.staged, self.num_stages, self.microbatches
         last = p - 1
         with self.placement.stage_activations(last):
-            counts = [staged.loss_weight(stage_batches[last][i]) for i in range(m)]  # [microbatch][term]
-            denominators = [tf.maximum(tf.add_n(list(term)), 1.0) for term in zip(*counts)]
+            counts = [self.loss_counts(stage_batches[last][i]) for i in range(m)]  # [microbatch][term]
+            totals = [tf.add_n(list(term)) for term in zip(*counts)]
         tapes, inputs, outputs, objectives, input_grads = {}, {}, {}, {}, {}
         grads = [None] * len(self.variables)
         previous = [[] for _ in range(p)]  # what the stage's last action produced
@@ -194,8 +169,7 @@ class Pipeline:
                         x, aux = self.run_blocks(s, x, batch, True)
                         objective = tf.add_n(aux) / m if aux else None
                         if s == last:
-                            terms = staged.loss(x, batch, True)
-                            head = tf.add_n([tf.cast(t, tf.float32) / d for t, d in zip(terms, denominators)])
+                            head = LossTerms(staged.loss_sums(x, batch, True)).loss(totals)
                             objective = head if objective is None else objective + head
                     tapes[(s, i)], inputs[(s, i)], outputs[(s, i)], objectives[(s, i)] = tape, x_in, x, objective
                     previous[s] = [x] + ([objective] if objective is not None else [])

@@ -137,7 +137,7 @@ class Planner:
         preset = sharding.preset or task.default_preset
         layouts = resolve(self.specs, task.axis_rules, table, mesh)
         stage_of = {}
-        if num_stages > 1 or train.microbatches > 1:
+        if num_stages > 1:
             owner = pipeline.variable_stages(pipeline.staged_model(task, self.model), num_stages)
             stage_of = {var_name(compat.inner_variable(v)): owner.get(id(compat.inner_variable(v)), 0)
                         for v in self.model.variables}
