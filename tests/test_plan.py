@@ -227,6 +227,33 @@ def test_auto_ranks_by_predicted_time_and_a_given_mesh_stays():
 
 
 @pytest.mark.unit
+def test_auto_accumulates_microbatches_when_a_layout_fits_only_so():
+    """A task without stages (ResNet-50 at batch 1024) on a device that holds its state but not
+    the whole batch's activations: --mesh=auto takes gradient accumulation, the fewest
+    microbatches that fit."""
+    import dataclasses
+
+    from tfpod.plan.planner import MEMORY_MARGIN
+    from tfpod.plan.search import search
+
+    c = configs("resnet", TASKS["resnet"].config_class(depth=50, image_size=224, num_classes=1000), global_batch=1024,
+                optimizer="sgd")
+    h100 = devices.get("h100")
+    whole = Planner(c, h100, 8).plan(Choice("data:8", "data"))
+    four = Planner(c, h100, 8).plan(Choice("data:8", "data", microbatches=4))
+    two = Planner(c, h100, 8).plan(Choice("data:8", "data", microbatches=2))
+    assert four["per_device_bytes"]["activations"] < two["per_device_bytes"]["activations"] < \
+        whole["per_device_bytes"]["activations"] / 1.5
+    assert four["step_time_s"] > whole["step_time_s"]  # more passes over the weights: accumulation is not free
+    # memory between the 4- and 2-microbatch plans' totals: only 4 (or more) fit
+    memory = (four["per_device_bytes"]["total"] + two["per_device_bytes"]["total"]) / 2 / (1 - MEMORY_MARGIN)
+    small = dataclasses.replace(h100, name="small", memory_bytes=memory)
+    best, top = search(Planner(c, small, 8), mesh="data:8")
+    assert best["fits"] and best["microbatches"] == 4 and "microbatches=4" in best["choice"]
+    assert not any(p["fits"] for p in top if p["microbatches"] < 4)
+
+
+@pytest.mark.unit
 def test_a_cpu_figure_is_measured_once_per_machine_and_kept(tmp_path, monkeypatch, caplog):
     """tfpod.measured: measured on the first call, read back after (in another process too);
     keyed by the machine; TFPOD_CACHE_DIR=off measures every time; a damaged or unwritable

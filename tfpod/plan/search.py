@@ -3,7 +3,9 @@
 The candidates are every mesh of the job's devices over the axes the task's presets
 use (`data`, `model`; `expert` for a mixture of experts; `stage` for a task that
 pipelines), times the presets, sequence parallelism (with a `model` axis),
-recomputation (for a model that has it) and, with stages, microbatches. A candidate
+recomputation (for a model that has it) and, with stages, microbatches; without stages, a
+layout that does not fit is tried again with gradient accumulation (2, 4, 8, ...
+microbatches, every task) until one fits or the batch shards refuse. A candidate
 training would refuse (a mesh axis no rule uses, a dimension an axis does not divide)
 is dropped. Of those whose plan fits the device memory with the margin, the fastest
 predicted step wins; ties go to the simpler layout (fewer switches, then the earlier
@@ -12,6 +14,7 @@ preset).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import Iterator
 
@@ -78,6 +81,28 @@ def candidates(planner: Planner, mesh: str | None = None) -> Iterator[Choice]:
                         yield Choice(spec, preset, sp, remat, None)
 
 
+def _plans(planner: Planner, choice: Choice) -> list[tuple[Choice, dict]]:
+    """(choice, its plan) for `choice` (none when training would refuse it); without stages,
+    when it does not fit, also the first of 2, 4, 8, ... microbatches (gradient accumulation)
+    that does."""
+    try:
+        plans = [(choice, planner.plan(choice))]
+    except UserError:
+        return []
+    if plans[0][1]["fits"] or plans[0][1]["stages"] > 1 or choice.microbatches is not None:
+        return plans
+    m = 2
+    while True:
+        accumulated = dataclasses.replace(choice, microbatches=m)
+        try:
+            plan = planner.plan(accumulated)
+        except UserError:  # the batch shards do not split into m
+            return plans
+        if plan["fits"]:
+            return plans + [(accumulated, plan)]
+        m *= 2
+
+
 def search(planner: Planner, top: int = 5, mesh: str | None = None) -> tuple[dict | None, list[dict]]:
     """(the fastest plan that fits or None, the `top` plans by predicted step time:
     fitting plans first); on `mesh` only when given."""
@@ -86,14 +111,11 @@ def search(planner: Planner, top: int = 5, mesh: str | None = None) -> tuple[dic
     log.info("--mesh=auto: planning %d layouts of %s on %d devices ...", len(choices), planner.c.task.name,
              planner.num_devices)
     for i, choice in enumerate(choices):
-        try:
-            plan = planner.plan(choice)
-        except UserError:
-            continue
-        plan["choice"] = choice.describe()
-        plan["_rank"] = (not plan["fits"], plan["step_time_s"], bool(plan["sequence_parallel"]) + bool(plan["remat"]),
-                         i)
-        plans.append(plan)
+        for made, plan in _plans(planner, choice):
+            plan["choice"] = made.describe()
+            plan["_rank"] = (not plan["fits"], plan["step_time_s"],
+                             bool(plan["sequence_parallel"]) + bool(plan["remat"]), i)
+            plans.append(plan)
     if not plans:
         where = f"mesh {mesh}" if mesh else f"{planner.num_devices} devices"
         raise UserError(f"--mesh=auto / sharding.preset='auto': no layout of model {planner.c.task.name!r} can run on "
