@@ -40,7 +40,22 @@ ACTIVATION_AXES = ("batch", "sequence", "embed")
 
 @dataclasses.dataclass
 class GPTConfig:
-    """Shape of the LM. Attributes map 1:1 to gin `gpt.<name>`."""
+    """Shape of the LM. Attributes map 1:1 to gin `gpt.<name>`.
+
+    Attributes:
+      vocab_size: rows of the token embedding, tied to the output layer; at least the
+        vocabulary's pieces (pad it to a multiple of the model axis, e.g. 50257 -> 50304).
+      seq_len: tokens per example; also the size of the learned position table.
+      num_layers, embed_dim, num_heads, mlp_dim: the blocks, their width, attention heads
+        (embed_dim / num_heads dimensions each) and MLP width.
+      dropout, attention_dropout: on the embeddings and residual branches; on the attention
+        probabilities.
+      norm_epsilon: the layer norms' epsilon.
+      init_stddev: truncated-normal initializer of every weight.
+      activation: the MLP's activation: gelu (exact), gelu_approximate (tanh form, GPT-2's) or a Keras name.
+      remat: recompute each block's activations in the backward pass instead of keeping
+        them (less memory, about a third more compute; refused with dropout).
+    """
 
     vocab_size: int = 8192
     seq_len: int = 128

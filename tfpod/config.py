@@ -26,7 +26,12 @@ from tfpod import UserError
 
 @dataclasses.dataclass
 class ExperimentConfig:
-    """Which model and mesh. Attributes map 1:1 to gin `experiment.<name>`."""
+    """Which model and mesh. Attributes map 1:1 to gin `experiment.<name>`.
+
+    Attributes:
+      model: the task (tfpod.models.TASKS: gpt, moe, bert, transformer, resnet, ssd).
+      mesh: the mesh spec when --mesh is not given (e.g. data:-1,model:2; -1 fills the rest).
+    """
 
     model: str = "gpt"
     mesh: str = "data:-1"
@@ -52,6 +57,12 @@ def _register() -> dict:
         _CLASSES[name] = cls
         _CONFIGURABLES[name] = gin.external_configurable(cls, name=name)
     return _CONFIGURABLES
+
+
+def config_classes() -> dict:
+    """{gin name: config dataclass} of every configurable, in registration order."""
+    _register()
+    return dict(_CLASSES)
 
 
 def gin_search_dirs() -> list[str]:

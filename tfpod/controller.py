@@ -62,8 +62,9 @@ class TrainConfig:
         position was saved with (other files, format, batch, ...) stops with one line,
         instead of starting the new input from its beginning with a warning.
       microbatches: the global batch is split into this many microbatches whose gradients
-        accumulate before one optimizer step (with a `stage` mesh axis, the pipeline's
-        microbatches; tfpod.pipeline).
+        accumulate before one optimizer step, for every model (tfpod.trainer.make_train_loop:
+        the unsplit batch's loss; batch norm normalizes each microbatch); with a `stage`
+        mesh axis, the pipeline's microbatches (tfpod.pipeline).
       init_from: a checkpoint (a prefix such as D/checkpoints/ckpt-0, or a run's folder:
         its newest) whose model weights a run without checkpoints of its own starts from;
         its optimizer state and step are not read (fine-tuning). A run that has
