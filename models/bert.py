@@ -540,6 +540,7 @@ class BertTask(Task):
     serving = staticmethod(serving)
     plan_profile = staticmethod(functools.partial(plan_profiles.bert, flops=flops_per_token))
     staged = staticmethod(staged)
+    pipelines = skips_corrupt = serves = True
 
     def tokens_per_example(self, config: BertConfig) -> int:
         return config.seq_len

@@ -54,7 +54,8 @@ class GPTConfig:
       init_stddev: truncated-normal initializer of every weight.
       activation: the MLP's activation: gelu (exact), gelu_approximate (tanh form, GPT-2's) or a Keras name.
       remat: recompute each block's activations in the backward pass instead of keeping
-        them (less memory, about a third more compute; refused with dropout).
+        them (less memory, about a third more compute); with dropout the recomputed block
+        draws its forward pass's masks (tfpod.partitioning.replayable_dropout).
     """
 
     vocab_size: int = 8192
@@ -82,12 +83,6 @@ class GPTConfig:
         for field in ("dropout", "attention_dropout"):
             if not 0.0 <= getattr(self, field) < 1.0:
                 raise UserError(f"gpt.{field}={getattr(self, field)} must be in [0, 1)")
-        if self.remat and (self.dropout or self.attention_dropout):
-            raise UserError(
-                f"gpt.remat=True with gpt.dropout={self.dropout}, gpt.attention_dropout={self.attention_dropout}: "
-                "recomputing a block would draw new dropout masks (tf.recompute_grad does not replay the random "
-                "state), so the gradients would not match the forward pass; set both dropouts to 0 or remat=False"
-            )
 
 
 # Variable names are "<model>/<layer>/.../<weight>"; one rule per kind of weight.
@@ -139,6 +134,8 @@ class GPT(tf_keras.Model):
         """One block; with `remat` its activations are recomputed in the backward pass."""
         if not self.config.remat:
             return block([x, mask], training=training)
+        if training and (self.config.dropout or self.config.attention_dropout):
+            compat.check_replayable_dropout(block, "gpt.remat=True with dropout")
         return tf.recompute_grad(lambda x, mask: block([x, mask], training=training))(x, mask)
 
     def block_and_aux(self, block, x, mask, training):
@@ -558,6 +555,7 @@ class GPTTask(Task):
     loss_counts = staticmethod(loss_counts)
     serving = staticmethod(lm_serving.serving)
     staged = staticmethod(staged)
+    pipelines = recomputes = skips_corrupt = serves = True
     plan_profile = staticmethod(functools.partial(plan_profiles.gpt, flops=flops_per_token))
 
     def tokens_per_example(self, config: GPTConfig) -> int:

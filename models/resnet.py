@@ -297,6 +297,7 @@ class ResNetTask(Task):
     loss_terms = staticmethod(loss_terms)
     loss_counts = staticmethod(loss_counts)
     serving = staticmethod(serving)
+    serves = True
     plan_profile = staticmethod(plan_profiles.conv)
 
 

@@ -552,6 +552,7 @@ class SSDTask(Task):
     loss_counts = staticmethod(loss_counts)
     host_eval_metrics = staticmethod(coco_metrics)
     serving = staticmethod(serving)
+    serves = True
     plan_profile = staticmethod(plan_profiles.conv)
 
 

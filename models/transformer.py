@@ -588,6 +588,7 @@ class TransformerTask(Task):
     loss_counts = staticmethod(loss_counts)
     host_eval_metrics = staticmethod(decode_metrics)
     serving = staticmethod(serving)
+    skips_corrupt = serves = True
     plan_profile = staticmethod(functools.partial(plan_profiles.transformer, flops=flops_per_token))
 
     def tokens_per_example(self, config: TransformerConfig) -> int:

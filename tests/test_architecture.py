@@ -3,6 +3,7 @@ registry, the compatibility module's version check, and the precision policy res
 
 import dataclasses
 
+import numpy as np
 import pytest
 import tf_keras
 
@@ -13,13 +14,23 @@ from tfpod.task import Task, check_task
 pytestmark = pytest.mark.unit  # no multi-device training
 
 
-def test_every_model_implements_the_task_contract():
-    assert set(TASKS) == {"gpt", "moe", "bert", "resnet", "transformer", "ssd"}
+def test_every_model_implements_the_task_contract_and_declares_its_capabilities():
+    """The registry (tfpod.models.TASKS) is the one list of models; a capability is declared on
+    the class, with the method or config switch it stands for (tfpod reads the declaration, never
+    probes for the method or the field)."""
+    assert len(TASKS) >= 6 and "gpt" in TASKS
     for name, task in TASKS.items():
         assert isinstance(task, Task) and task.name == name
         assert not getattr(type(task), "__abstractmethods__", None), (name, type(task).__abstractmethods__)
         assert dataclasses.is_dataclass(task.config_class) and dataclasses.is_dataclass(task.data_config_class)
         assert task.axis_rules and task.default_preset
+        check_task(task)
+        assert task.pipelines == (type(task).staged is not Task.staged), name
+        assert task.serves == (type(task).serving is not Task.serving), name
+        fields = {f.name for f in dataclasses.fields(task.config_class)}
+        assert task.recomputes == ("remat" in fields), name
+        assert task.skips_corrupt == ("skip_corrupt" in {f.name for f in dataclasses.fields(task.data_config_class)}), name
+    assert {n for n, t in TASKS.items() if t.pipelines} == {"gpt", "moe", "bert"}
     assert isinstance(TASKS["moe"], type(TASKS["gpt"]))  # MoE reuses GPT by subclassing
     with pytest.raises(UserError, match=r"experiment.model='gtp' is not a model: use one of bert, gpt, moe"):
         get_task("gtp")
@@ -35,6 +46,26 @@ def test_a_task_missing_part_of_the_contract_is_refused():
     Half.__abstractmethods__ = frozenset()
     with pytest.raises(TypeError, match=r"task Half does not set Task.axis_rules"):
         check_task(Half())
+
+
+def test_a_task_without_serving_trains_and_export_refuses_it_in_one_line(tmp_path):
+    """A research model need not write a SavedModel signature to train: Task.serving is optional."""
+    from tfpod import export
+    from tfpod.models import resnet
+
+    class Unserved(resnet.ResNetTask):
+        serving = Task.serving
+        serves = False
+
+    task = Unserved()
+    check_task(task)
+    config = resnet.ResNetConfig(depth=10, depth_multiplier=0.25, image_size=32, num_classes=10)
+    batch = task.synthetic_batch(config, 2, np.random.default_rng(0))
+    model = task.build(config)
+    loss, _ = task.loss_and_metrics(model, batch, True)  # the training loss needs no serving
+    assert float(loss) > 0
+    with pytest.raises(UserError, match=r"model 'resnet' has no serving signatures \(Task.serving\): it trains"):
+        export.export(task, config, task.data_config_class(), str(tmp_path))
 
 
 def test_every_task_is_configurable_under_its_gin_names():

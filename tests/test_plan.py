@@ -177,6 +177,22 @@ def test_a_175b_model_plans_without_allocating():
     assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 < 16 * 2**30
 
 
+@pytest.mark.unit
+def test_recomputation_is_searched_for_models_with_dropout():
+    """A 13B GPT (40 layers, width 5120, 40 heads, MLP 20480) with its dropout 0.1, batch 512 on
+    64 H100: on data:16,model:4 only recomputation fits, and the search takes it (recomputation
+    with dropout was refused before each block replayed its masks)."""
+    from tfpod.plan.search import search
+
+    big = TASKS["gpt"].config_class(vocab_size=50304, seq_len=1024, num_layers=40, embed_dim=5120, num_heads=40,
+                                    mlp_dim=20480, dropout=0.1, attention_dropout=0.1)
+    planner = Planner(configs("gpt", big, global_batch=512, precision="mixed_bfloat16"), devices.get("h100"), 64)
+    kept = planner.plan(Choice("data:16,model:4", "tensor", sequence_parallel=True, remat=False))
+    assert not kept["fits"]
+    best, _ = search(planner, mesh="data:16,model:4")
+    assert best is not None and best["fits"] and best["remat"] is True
+
+
 def test_plan_mode_writes_plan_json_and_refuses_a_trained_choice(tmp_path):
     out = main_py("--gin_file=gin/gpt_small.gin", "--mode=plan", "--plan_device=h100", "--plan_num_devices=64",
                   "--mesh=data:16,model:4", f"--model_dir={tmp_path}", "--gin_param=train.global_batch_size=512")

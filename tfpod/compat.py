@@ -288,6 +288,22 @@ def stateless_dropout_generator(layer, seed_fn, dropout_fn) -> bool:
     return True
 
 
+def check_replayable_dropout(layer, what: str) -> None:
+    """Raises UserError when a dropout layer inside `layer` draws from Keras's stateful
+    generator (a recomputed block would then drop other units than its forward pass)."""
+    import tf_keras
+    from tf_keras.src import backend
+
+    for inner in flatten_layers(layer):
+        gen = getattr(inner, "_random_generator", None)
+        if isinstance(inner, tf_keras.layers.Dropout) and isinstance(gen, backend.RandomGenerator) and \
+                gen._rng_type != gen.RNG_STATELESS:
+            raise UserError(f"{what}: dropout layer {inner.name!r} draws from Keras's stateful generator, so a "
+                            "recomputed block would drop other units than its forward pass; train it through tfpod's "
+                            "Trainer (tfpod.partitioning.replayable_dropout makes the masks replayable) or set "
+                            "remat=False")
+
+
 def weight_lists(layer) -> tuple[list, list]:
     """A layer's own (trainable, non-trainable) weight lists, in creation order (mutable)."""
     return layer._trainable_weights, layer._non_trainable_weights

@@ -96,15 +96,16 @@ class TrainConfig:
     init_from: str | None = None
     async_checkpoint: bool = False
 
-    def reached(self, result: Mapping[str, float]) -> bool:
-        """Whether an eval result reaches the target (never without one)."""
+    def reached(self, result: Mapping[str, float], lower_is_better=frozenset({"loss", "perplexity"})) -> bool:
+        """Whether an eval result reaches the target (never without one); `lower_is_better`:
+        the task's metrics reached from above (Task.lower_is_better)."""
         if self.target_metric is None or self.target_value is None:
             return False
         if self.target_metric not in result:
             raise UserError(f"train.target_metric={self.target_metric!r} is not an eval metric: use one of "
                             f"{', '.join(k for k, v in result.items() if isinstance(v, float))}")
         value = result[self.target_metric]
-        lower_better = self.target_metric in ("loss", "perplexity")
+        lower_better = self.target_metric in lower_is_better
         return value <= self.target_value if lower_better else value >= self.target_value
 
     def __post_init__(self):
@@ -188,10 +189,9 @@ class Controller:
     def dataset_feed(self, task_input) -> feeding.DatasetFeed:
         """This host's training dataset of `task_input`, its position checkpointed."""
         task = self.trainer.task
-        skip_knob = "skip_corrupt" in {f.name for f in dataclasses.fields(task.data_config_class)}
         return feeding.DatasetFeed(task_input, self.host_rows, self.model_dir, self.info.client_id,
                                    self.info.num_clients, self.cfg.seed, self.cfg.keep_checkpoints,
-                                   self.cfg.strict_resume, task.data_name, skip_knob)
+                                   self.cfg.strict_resume, task.data_name, task.skips_corrupt)
 
     def _next_boundary(self, step: int) -> int:
         c = self.cfg
@@ -309,10 +309,11 @@ class Controller:
         if eval_batches is None or not c.eval_every or not (step % c.eval_every == 0 or step == c.steps):
             return False
         result = self.evaluate(eval_batches, step, extra={"train_seconds": time.time() - t_start})
-        if not c.reached(result):
+        lower_is_better = self.trainer.task.lower_is_better
+        if not c.reached(result, lower_is_better):
             return False
         log.info("reached %s %s %.4f at step %d, %s after the start of training", c.target_metric,
-                 "<=" if c.target_metric in ("loss", "perplexity") else ">=", c.target_value, step,
+                 "<=" if c.target_metric in lower_is_better else ">=", c.target_value, step,
                  datetime.timedelta(seconds=round(time.time() - t_start)))
         return True
 
@@ -361,6 +362,6 @@ class Controller:
         if extra:
             result.update(extra)
             if self.cfg.target_metric is not None and self.cfg.target_value is not None:
-                result["target_reached"] = self.cfg.reached(result)
+                result["target_reached"] = self.cfg.reached(result, self.trainer.task.lower_is_better)
         self.writer.eval(result, time.time() - started)
         return result

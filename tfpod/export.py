@@ -132,6 +132,9 @@ def export(task, model_config, data_config, model_dir: str, checkpoint: str | No
     Returns:
       {"export_dir", "version", "step", "signatures": {name: {"inputs", "outputs"}}}.
     """
+    if not task.serves:
+        raise UserError(f"model {task.name!r} has no serving signatures (Task.serving): it trains and evaluates, "
+                        f"but --mode=export is not available for it")
     path = checkpoint_path(model_dir, checkpoint)
     model = single_device_model(task, model_config, path)
     module, signatures = task.serving(model, model_config, data_config)

@@ -39,6 +39,15 @@ class Task(abc.ABC):
       eval_metric: the on-device eval metric (tfpod.evaluation.Metric).
       splits_image_rows: whether the model's convolutions split image rows over the mesh
         axis of the logical axis `height` (the `spatial` preset; tfpod.partitioning.spatial).
+
+    Capabilities (class attributes; the defaults say "not offered", and the optional
+    methods below have defaults to match):
+      pipelines: `staged` cuts the model for pipeline stages (a `stage` mesh axis).
+      recomputes: the model config has a `remat` switch (per-block recomputation), which
+        the planner may set.
+      skips_corrupt: the data config has `skip_corrupt` (skip unreadable records).
+      lower_is_better: eval metrics a target is reached by going below (the rest: above).
+      serves: `serving` exports the model (else --mode=export is refused in one line).
     """
 
     name: ClassVar[str]
@@ -49,6 +58,11 @@ class Task(abc.ABC):
     axis_rules: ClassVar[tuple[AxisRule, ...]]
     eval_metric: ClassVar[evaluation.Metric]
     splits_image_rows: ClassVar[bool] = False
+    pipelines: ClassVar[bool] = False
+    recomputes: ClassVar[bool] = False
+    skips_corrupt: ClassVar[bool] = False
+    lower_is_better: ClassVar[frozenset] = frozenset({"loss", "perplexity"})
+    serves: ClassVar[bool] = False
 
     # -- the model ------------------------------------------------------------
 
@@ -121,16 +135,18 @@ class Task(abc.ABC):
         return {}
 
     def staged(self, model) -> "StagedModel | None":
-        """The model cut into pipeline pieces (a `stage` mesh axis, train.microbatches);
+        """The model cut into pipeline pieces (with `pipelines`; a `stage` mesh axis);
         None: the task does not pipeline (the default)."""
         del model
         return None
 
     # -- serving --------------------------------------------------------------
 
-    @abc.abstractmethod
-    def serving(self, model, config, data_config) -> tuple[tf.Module, dict]:
-        """(module holding the single-device model, {signature name: concrete function})."""
+    def serving(self, model, config, data_config) -> tuple[tf.Module, dict] | None:
+        """(module holding the single-device model, {signature name: concrete function}),
+        with `serves`; None: the task trains and evaluates but does not export (the default)."""
+        del model, config, data_config
+        return None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -240,9 +256,15 @@ class StagedModel:
 
 
 def check_task(task: Task) -> None:
-    """Raises TypeError when a registered task lacks a class attribute of the contract."""
+    """Raises TypeError when a registered task lacks a class attribute of the contract, or
+    declares a capability its configs do not have the switch of."""
     for attr in ("name", "config_class", "data_name", "data_config_class", "default_preset", "axis_rules",
                  "eval_metric"):
         if not hasattr(type(task), attr):
             raise TypeError(f"task {type(task).__name__} does not set Task.{attr}")
+    for capability, cls, field in (("recomputes", task.config_class, "remat"),
+                                   ("skips_corrupt", task.data_config_class, "skip_corrupt")):
+        if getattr(task, capability) and field not in {f.name for f in dataclasses.fields(cls)}:
+            raise TypeError(f"task {type(task).__name__} declares Task.{capability} but {cls.__name__} has no "
+                            f"`{field}` field")
 

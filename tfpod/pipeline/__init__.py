@@ -23,7 +23,7 @@ from tfpod import UserError
 from tfpod.pipeline import schedules
 from tfpod.partitioning.placement import check_microbatches, split_microbatches
 from tfpod.pipeline.step import Pipeline, variable_stages
-from tfpod.task import StagedModel, Task
+from tfpod.task import StagedModel
 
 
 def staged_model(task, model) -> StagedModel:
@@ -32,7 +32,7 @@ def staged_model(task, model) -> StagedModel:
     if staged is None:
         from tfpod.models import TASKS
 
-        able = ", ".join(sorted(n for n, t in TASKS.items() if type(t).staged is not Task.staged))
+        able = ", ".join(sorted(n for n, t in TASKS.items() if t.pipelines))
         raise UserError(f"model {task.name!r} does not run in pipeline stages (a `stage` mesh axis): pipelines "
                         f"are for {able}; drop the stage axis (train.microbatches alone accumulates gradients "
                         f"for every model)")

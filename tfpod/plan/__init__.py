@@ -131,7 +131,7 @@ def choose_for_run(configs, mesh_spec: str, info, model_dir: str) -> str:
             raise UserError(describe_best(best, top, info.num_global_devices))
         plan = best
         choice = Choice(best["mesh"], best["preset"], best["sequence_parallel"],
-                        best["remat"] if hasattr(configs.model, "remat") else None, best["microbatches"])
+                        best["remat"] if configs.task.recomputes else None, best["microbatches"])
     configs.model, configs.train, configs.sharding = planner.configs_for(choice)
     if plan is not None and model_dir and info.client_id == 0:
         os.makedirs(model_dir, exist_ok=True)

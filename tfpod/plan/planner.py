@@ -106,7 +106,7 @@ class Planner:
         """(model, train, sharding) configs with the choice applied (each validated as gin would)."""
         c = self.c
         model = c.model
-        if choice.remat is not None and hasattr(model, "remat") and model.remat != choice.remat:
+        if choice.remat is not None and self.c.task.recomputes and model.remat != choice.remat:
             model = dataclasses.replace(model, remat=choice.remat)
         train = c.train if choice.microbatches is None else dataclasses.replace(c.train, microbatches=choice.microbatches)
         sharding = c.sharding
@@ -151,7 +151,7 @@ class Planner:
             pipeline.check_microbatches(global_batch, shards, train.microbatches)
         state = memory.state_bytes(self.specs, layouts, stage_of, num_stages, c.optimizer, placement.update_axis,
                                    placement.gather_axis, [batch_axis] if batch_axis else [])
-        remat = bool(getattr(model_config, "remat", False))
+        remat = bool(model_config.remat) if task.recomputes else False
         acts = memory.activation_bytes(self.profile, global_batch, table, mesh, train.precision, remat, num_stages,
                                        train.microbatches, sharding.pipeline_schedule, state.gradients, state.gathered)
         per_device = {"weights": state.weights, "gradients": state.gradients, "optimizer": state.optimizer,

@@ -21,7 +21,6 @@ from typing import Iterator
 from tfpod import UserError
 from tfpod.partitioning import PRESETS
 from tfpod.plan.planner import Choice, Planner
-from tfpod.task import Task
 
 log = logging.getLogger("tfpod")
 
@@ -62,9 +61,9 @@ def candidates(planner: Planner, mesh: str | None = None) -> Iterator[Choice]:
         names.append("model")
     if "expert" in logical:
         names.append("expert")
-    if type(task).staged is not Task.staged:  # the task pipelines
+    if task.pipelines:
         names.insert(0, "stage")
-    has_remat = hasattr(model, "remat")
+    has_remat = task.recomputes
     for spec in [mesh] if mesh else _meshes(planner.num_devices, tuple(names)):
         sizes = dict(p.split(":") for p in spec.replace(" ", "").split(","))
         stages = int(sizes.get("stage", 1))
