@@ -244,7 +244,7 @@ def test_auto_ranks_by_predicted_time_and_a_given_mesh_stays():
 
 @pytest.mark.unit
 def test_auto_accumulates_microbatches_when_a_layout_fits_only_so():
-    """A task without stages (ResNet-50 at batch 1024) on a device that holds its state but not
+    """A task without stages (ResNet-18 at batch 1024) on a device that holds its state but not
     the whole batch's activations: --mesh=auto takes gradient accumulation, the fewest
     microbatches that fit."""
     import dataclasses
@@ -252,12 +252,11 @@ def test_auto_accumulates_microbatches_when_a_layout_fits_only_so():
     from tfpod.plan.planner import MEMORY_MARGIN
     from tfpod.plan.search import search
 
-    c = configs("resnet", TASKS["resnet"].config_class(depth=50, image_size=224, num_classes=1000), global_batch=1024,
+    c = configs("resnet", TASKS["resnet"].config_class(depth=18, image_size=224, num_classes=1000), global_batch=1024,
                 optimizer="sgd")
     h100 = devices.get("h100")
-    whole = Planner(c, h100, 8).plan(Choice("data:8", "data"))
-    four = Planner(c, h100, 8).plan(Choice("data:8", "data", microbatches=4))
-    two = Planner(c, h100, 8).plan(Choice("data:8", "data", microbatches=2))
+    planner = Planner(c, h100, 8)
+    whole, two, four = (planner.plan(Choice("data:8", "data", microbatches=m)) for m in (None, 2, 4))
     assert four["per_device_bytes"]["activations"] < two["per_device_bytes"]["activations"] < \
         whole["per_device_bytes"]["activations"] / 1.5
     assert four["step_time_s"] > whole["step_time_s"]  # more passes over the weights: accumulation is not free
