@@ -42,7 +42,7 @@ def main() -> None:
     from tfpod.models import gpt
     from tfpod.plan import devices, lazy
     from tfpod.plan.planner import Choice, Planner
-    from tfpod.trainer import precision_policy
+    from tfpod.precision import precision_policy
 
     configs = gpt_configs(args.layers, 12288, 96, 49152, 51200, 2048, 1536)
     model = configs.model

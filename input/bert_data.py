@@ -37,13 +37,14 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from typing import ClassVar
 
 import tensorflow as tf
 
 from tfpod import UserError
 from tfpod.input import files as files_lib, lm_data, prepare, records, text
-from tfpod.input.common import (ShardInfo, TaskInput, corrupt_finder, file_identity, first_example, host_shard,
-                                stream_source)
+from tfpod.input.common import (DataConfig, ShardInfo, TaskInput, corrupt_finder, file_identity, first_example,
+                                host_shard, stream_source)
 
 log = logging.getLogger("tfpod")
 
@@ -57,7 +58,7 @@ V2_NAMES = {"input_ids": "input_word_ids", "segment_ids": "input_type_ids"}
 
 
 @dataclasses.dataclass
-class BertDataConfig:
+class BertDataConfig(DataConfig):
     """BERT's data. Attributes map 1:1 to gin `bert_data.<name>`.
 
     Attributes:
@@ -85,30 +86,25 @@ class BertDataConfig:
       data_dir: where the default corpus is prepared (None: $TFPOD_DATA_DIR or the user cache).
     """
 
-    train_files: str | None = None
-    eval_files: str | None = None
+    gin_name: ClassVar[str] = "bert_data"
+
     format: str = "auto"
     text_feature: str = "text"
     vocab_path: str | None = None
     vocab_size: int = 2048
     lower_case: bool = True
     mask_rate: float = 0.15
-    shuffle_buffer: int = 1024
-    cycle_length: int = 4
     skip_corrupt: bool = False
     max_eval_examples: int | None = None
-    data_dir: str | None = None
 
     def __post_init__(self):
+        super().__post_init__()
         if self.format not in FORMATS:
             raise UserError(f"bert_data.format={self.format!r}: use one of {', '.join(FORMATS)}")
         if not 0.0 < self.mask_rate <= 1.0:
             raise UserError(f"bert_data.mask_rate={self.mask_rate} must be in (0, 1] (BERT: 0.15)")
         if self.max_eval_examples is not None and self.max_eval_examples < 1:
             raise UserError(f"bert_data.max_eval_examples={self.max_eval_examples} must be at least 1 (or None: all)")
-        if self.shuffle_buffer < 0 or self.cycle_length < 1:
-            raise UserError(f"bert_data.shuffle_buffer={self.shuffle_buffer} must be >= 0 and "
-                            f"bert_data.cycle_length={self.cycle_length} >= 1")
 
     @property
     def masked_online(self) -> bool:

@@ -15,7 +15,7 @@ import dataclasses
 import json
 import logging
 import os
-from typing import Callable
+from typing import Callable, ClassVar
 
 import tensorflow as tf
 
@@ -129,6 +129,35 @@ def find_corrupt(pattern_files: tuple[str, ...]) -> str | None:
         except tf.errors.DataLossError:
             return f
     return None
+
+
+@dataclasses.dataclass
+class DataConfig:
+    """The fields every task's data config has (lm_data, bert_data, translation_data,
+    image_data, detection_data subclass it; each says what its files hold).
+
+    Attributes:
+      train_files: training files (comma-separated globs); None: the demo data, prepared
+        on first use.
+      eval_files: evaluation files; None: the demo data's eval split (or none).
+      shuffle_buffer: training examples in the shuffle buffer (0: no shuffling).
+      cycle_length: files read at once per host.
+      data_dir: where the demo data is prepared (None: tfpod's cache folder).
+    """
+
+    gin_name: ClassVar[str] = "data"  # its gin name, for messages (a subclass's own)
+
+    train_files: str | None = None
+    eval_files: str | None = None
+    shuffle_buffer: int = 1024
+    cycle_length: int = 4
+    data_dir: str | None = None
+
+    def __post_init__(self):
+        if self.shuffle_buffer < 0:
+            raise UserError(f"{self.gin_name}.shuffle_buffer={self.shuffle_buffer} must be >= 0 (0: no shuffling)")
+        if self.cycle_length < 1:
+            raise UserError(f"{self.gin_name}.cycle_length={self.cycle_length} must be at least 1")
 
 
 @dataclasses.dataclass

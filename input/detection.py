@@ -68,14 +68,15 @@ import dataclasses
 import hashlib
 import re
 import sys
+from typing import ClassVar
 
 import numpy as np
 import tensorflow as tf
 
 from tfpod import UserError
 from tfpod.input import boxes as boxes_lib, coco, detection_demo as demo_set, files as files_lib, records
-from tfpod.input.common import (ShardInfo, TaskInput, corrupt_finder, file_identity, first_example, host_shard,
-                                stream_source)
+from tfpod.input.common import (DataConfig, ShardInfo, TaskInput, corrupt_finder, file_identity, first_example,
+                                host_shard, stream_source)
 from tfpod.input.demo import demo_cli
 from tfpod.input.images import MEAN_RGB, STDDEV_RGB
 
@@ -90,7 +91,7 @@ OBJECT_FEATURES = ("image/object/bbox/ymin", "image/object/bbox/xmin", "image/ob
 
 
 @dataclasses.dataclass
-class DetectionDataConfig:
+class DetectionDataConfig(DataConfig):
     """The detection data. Attributes map 1:1 to gin `detection_data.<name>`.
 
     Attributes:
@@ -112,26 +113,21 @@ class DetectionDataConfig:
       data_dir: where the demo set is prepared (None: see input/detection_demo.py).
     """
 
-    train_files: str | None = None
-    eval_files: str | None = None
+    gin_name: ClassVar[str] = "detection_data"
+
     eval_annotations: str | None = None
     label_map: str | None = None
     max_boxes: int = 100
     random_crop: bool = True
     random_flip: bool = True
     photometric: bool = True
-    shuffle_buffer: int = 1024
-    cycle_length: int = 4
     max_eval_examples: int | None = None
-    data_dir: str | None = None
 
     def __post_init__(self):
+        super().__post_init__()
         if self.max_boxes < 1:
             raise UserError(f"detection_data.max_boxes={self.max_boxes} must be at least 1 (COCO images have up to 93 "
                             "boxes; 100 is usual)")
-        if self.shuffle_buffer < 0 or self.cycle_length < 1:
-            raise UserError(f"detection_data.shuffle_buffer={self.shuffle_buffer} must be >= 0 and "
-                            f"detection_data.cycle_length={self.cycle_length} >= 1")
         if self.max_eval_examples is not None and self.max_eval_examples < 1:
             raise UserError(f"detection_data.max_eval_examples={self.max_eval_examples} must be at least 1 (or None: "
                             "all)")

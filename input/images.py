@@ -41,12 +41,13 @@ import json
 import logging
 import os
 import sys
+from typing import ClassVar
 
 import tensorflow as tf
 
 from tfpod import UserError
 from tfpod.input import records
-from tfpod.input.common import ShardInfo, TaskInput, corrupt_finder, host_shard, stream_source
+from tfpod.input.common import DataConfig, ShardInfo, TaskInput, corrupt_finder, host_shard, stream_source
 from tfpod.input.demo import data_root, demo_cli, ensure_prepared, staged
 
 log = logging.getLogger("tfpod")
@@ -61,7 +62,7 @@ STDDEV_RGB = (0.229 * 255, 0.224 * 255, 0.225 * 255)
 
 
 @dataclasses.dataclass
-class ImageDataConfig:
+class ImageDataConfig(DataConfig):
     """The image data. Attributes map 1:1 to gin `image_data.<name>`.
 
     Attributes:
@@ -79,18 +80,16 @@ class ImageDataConfig:
       data_dir: where the demo set is prepared (None: see the module docstring).
     """
 
-    train_files: str | None = None
-    eval_files: str | None = None
+    gin_name: ClassVar[str] = "image_data"
+
     label_offset: int = 0
     area_range: tuple = (0.08, 1.0)
     aspect_ratio_range: tuple = (3.0 / 4.0, 4.0 / 3.0)
     random_flip: bool = True
     eval_crop_fraction: float = 0.875
-    shuffle_buffer: int = 1024
-    cycle_length: int = 4
-    data_dir: str | None = None
 
     def __post_init__(self):
+        super().__post_init__()
         lo, hi = self.area_range
         if not 0.0 < lo <= hi <= 1.0:
             raise UserError(f"image_data.area_range={tuple(self.area_range)}: use (low, high) with 0 < low <= high <= 1")

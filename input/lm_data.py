@@ -27,15 +27,15 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-from typing import Iterable, Sequence
+from typing import ClassVar, Iterable, Sequence
 
 import tensorflow as tf
 
 from tfpod import UserError
 from tfpod.input import files as files_lib
 from tfpod.input import prepare, records, text
-from tfpod.input.common import (ShardInfo, TaskInput, check_text_files, corrupt_finder, file_identity, first_example,
-                                host_shard, stream_source)
+from tfpod.input.common import (DataConfig, ShardInfo, TaskInput, check_text_files, corrupt_finder, file_identity,
+                                first_example, host_shard, stream_source)
 
 log = logging.getLogger("tfpod")
 
@@ -44,7 +44,7 @@ PACKINGS = ("concat", "segments")
 
 
 @dataclasses.dataclass
-class LMDataConfig:
+class LMDataConfig(DataConfig):
     """The LM's data. Attributes map 1:1 to gin `lm_data.<name>`.
 
     Attributes:
@@ -72,8 +72,8 @@ class LMDataConfig:
       service_address: tf.data service dispatcher, e.g. "grpc://host:5000"; None: in process.
     """
 
-    train_files: str | None = None
-    eval_files: str | None = None
+    gin_name: ClassVar[str] = "lm_data"
+
     format: str = "auto"
     text_feature: str = "text"
     ids_feature: str = "ids"
@@ -82,13 +82,11 @@ class LMDataConfig:
     vocab_size: int = 2048
     seq_len: int | None = None
     packing: str = "concat"
-    shuffle_buffer: int = 1024
-    cycle_length: int = 4
     skip_corrupt: bool = False
-    data_dir: str | None = None
     service_address: str | None = None
 
     def __post_init__(self):
+        super().__post_init__()
         if self.format not in FORMATS:
             raise UserError(f"lm_data.format={self.format!r}: use one of {', '.join(FORMATS)}")
         if self.packing not in PACKINGS:
@@ -130,14 +128,15 @@ def resolve(cfg: LMDataConfig) -> Resolved:
     return Resolved(train, evals, vocab)
 
 
-def check_seq_len(cfg: LMDataConfig, model_seq_len: int) -> int:
-    """The row length: lm_data.seq_len if set (at most the model's maximum), else the model's."""
+def check_seq_len(cfg: LMDataConfig, model_seq_len: int, model: str = "gpt") -> int:
+    """The row length: lm_data.seq_len if set (at most the model's maximum), else the model's
+    (`model`: the task's gin name, for the message)."""
     if cfg.seq_len is None:
         return model_seq_len
     if cfg.seq_len < 1 or cfg.seq_len > model_seq_len:
         raise UserError(
             f"lm_data.seq_len={cfg.seq_len} is outside [1, {model_seq_len}], the model's maximum length "
-            f"(gpt.seq_len): lower lm_data.seq_len or raise gpt.seq_len"
+            f"({model}.seq_len): lower lm_data.seq_len or raise {model}.seq_len"
         )
     return cfg.seq_len
 
@@ -198,7 +197,7 @@ def write_ids_records(path: str, documents: Iterable[Sequence[int]], feature: st
     return count
 
 
-def check_ids_file(path: str, cfg: LMDataConfig, vocab_size: int) -> None:
+def check_ids_file(path: str, cfg: LMDataConfig, vocab_size: int, model: str = "gpt") -> None:
     """Checks a format-ids file's first record: an int64 list `ids_feature` of ids in [0, vocab_size).
 
     Raises:
@@ -216,11 +215,12 @@ def check_ids_file(path: str, cfg: LMDataConfig, vocab_size: int) -> None:
                         f"lm_data.ids_feature to the feature holding the token ids, or {_IDS_FIX}")
     outside = [i for i in feature[cfg.ids_feature].int64_list.value if not 0 <= i < vocab_size]
     if outside:
-        raise UserError(f"records in {path} hold token id {outside[0]}, outside [0, gpt.vocab_size={vocab_size}): "
-                        "set gpt.vocab_size to the vocabulary the ids were written with (GPT-2: 50257)")
+        raise UserError(f"records in {path} hold token id {outside[0]}, outside [0, {model}.vocab_size={vocab_size}): "
+                        f"set {model}.vocab_size to the vocabulary the ids were written with (GPT-2: 50257)")
 
 
 def id_documents(plan: files_lib.HostShard, cfg: LMDataConfig, seed: int, repeat: bool, vocab_size: int,
+                 model: str = "gpt",
                  batch_size: int = 64) -> tf.data.Dataset:
     """[None] int32 token ids of each record of this host's format-ids files, `cfg.eos` appended.
 
@@ -236,7 +236,7 @@ def id_documents(plan: files_lib.HostShard, cfg: LMDataConfig, seed: int, repeat
       vocab_size: the model's vocabulary: every id must be below it.
       batch_size: records parsed per call (speed only; the output is the same).
     """
-    check_ids_file(plan.files[0], cfg, vocab_size)
+    check_ids_file(plan.files[0], cfg, vocab_size, model)
     spec = {cfg.ids_feature: tf.io.RaggedFeature(tf.int64)}
 
     def parse(paths: tf.Tensor, batch: tf.Tensor) -> tf.RaggedTensor:
@@ -249,7 +249,7 @@ def id_documents(plan: files_lib.HostShard, cfg: LMDataConfig, seed: int, repeat
             first = tf.argmax(tf.cast(outside, tf.int32))
             return tf.strings.join([
                 "records in ", paths[ids.value_rowids()[first]], " hold token id ", tf.strings.as_string(flat[first]),
-                f", outside [0, gpt.vocab_size={vocab_size}): set gpt.vocab_size to the vocabulary the ids were "
+                f", outside [0, {model}.vocab_size={vocab_size}): set {model}.vocab_size to the vocabulary the ids were "
                 "written with (GPT-2: 50257)"])
 
         check = tf.debugging.Assert(ok, [tf.cond(ok, lambda: tf.constant(""), message)])
@@ -266,7 +266,7 @@ def id_documents(plan: files_lib.HostShard, cfg: LMDataConfig, seed: int, repeat
 
 def lm_dataset(cfg: LMDataConfig, pattern: str, vocab_path: str | None, seq_len: int, host_rows: int,
                shard: ShardInfo, seed: int, model_vocab_size: int | None = None,
-               repeat: bool = True) -> tf.data.Dataset:
+               repeat: bool = True, model: str = "gpt") -> tf.data.Dataset:
     """This host's dataset of LM batches {inputs, targets, weights[, segment_ids, positions]}.
 
     Args:
@@ -281,27 +281,29 @@ def lm_dataset(cfg: LMDataConfig, pattern: str, vocab_path: str | None, seq_len:
         the EOS id must fit in it (required with format ids).
       repeat: cycle over the data forever (training), or read it once with each
         document packed on its own (evaluation: the same examples for any host count).
+      model: the task's gin name (gpt, moe), for the messages.
 
     Returns:
       A dataset of host batches [host_rows, seq_len] (when not repeating, the last
       batch may be shorter).
     """
     if model_vocab_size is not None and cfg.eos >= model_vocab_size:
-        raise UserError(f"lm_data.eos_id={cfg.eos} is not below gpt.vocab_size={model_vocab_size}: set lm_data.eos_id "
-                        "to the tokenizer's end-of-document id, or gpt.vocab_size to its vocabulary's size")
+        raise UserError(f"lm_data.eos_id={cfg.eos} is not below {model}.vocab_size={model_vocab_size}: set "
+                        f"lm_data.eos_id to the tokenizer's end-of-document id, or {model}.vocab_size to its "
+                        "vocabulary's size")
     plan = host_shard(pattern, shard, seed)
     if cfg.format == "ids":
         if model_vocab_size is None:
             raise UserError("lm_data.format='ids' checks every id against the model's vocabulary: pass "
                             "lm_dataset its model_vocab_size")
-        ds = id_documents(plan, cfg, seed, repeat, model_vocab_size)
+        ds = id_documents(plan, cfg, seed, repeat, model_vocab_size, model)
     else:
         tokenizer = text.load_tokenizer(vocab_path)
         vocab = int(tokenizer.vocab_size())
         if model_vocab_size is not None and vocab > model_vocab_size:
             raise UserError(
-                f"vocabulary {vocab_path} has {vocab} pieces but the model has gpt.vocab_size={model_vocab_size}: "
-                f"set gpt.vocab_size >= {vocab} or use a smaller vocabulary"
+                f"vocabulary {vocab_path} has {vocab} pieces but the model has {model}.vocab_size={model_vocab_size}: "
+                f"set {model}.vocab_size >= {vocab} or use a smaller vocabulary"
             )
         ds = text.tokenize(documents(plan, cfg, seed, repeat), tokenizer, eos_id=cfg.eos)
     if not repeat:  # evaluation: rows independent of how files split over hosts
@@ -322,14 +324,15 @@ def lm_dataset(cfg: LMDataConfig, pattern: str, vocab_path: str | None, seq_len:
     return records.batched(ds, host_rows, repeat, distribute)
 
 
-def lm_input(cfg: LMDataConfig, model_config, shard: ShardInfo, seed: int) -> TaskInput:
-    """The causal LM's input (gpt, moe): prepares the default corpus on first use."""
-    seq_len = check_seq_len(cfg, model_config.seq_len)
+def lm_input(cfg: LMDataConfig, model_config, shard: ShardInfo, seed: int, model: str = "gpt") -> TaskInput:
+    """The causal LM's input (gpt, moe; `model`: the task's gin name, which the messages
+    use): prepares the default corpus on first use."""
+    seq_len = check_seq_len(cfg, model_config.seq_len, model)
     where = resolve(cfg)
 
     def dataset(files, repeat):
         return lambda host_rows: lm_dataset(cfg, files, where.vocab_path, seq_len, host_rows, shard, seed,
-                                            model_config.vocab_size, repeat=repeat)
+                                            model_config.vocab_size, repeat=repeat, model=model)
 
     vocab = {"vocab": file_identity(where.vocab_path)} if where.vocab_path else {}
     return TaskInput(

@@ -50,13 +50,14 @@ import json
 import logging
 import os
 import sys
+from typing import ClassVar
 
 import tensorflow as tf
 
 from tfpod import UserError
 from tfpod.input import demo, files as files_lib, prepare, records, text
-from tfpod.input.common import (ShardInfo, TaskInput, corrupt_finder, file_identity, first_example, host_shard,
-                                stream_source)
+from tfpod.input.common import (DataConfig, ShardInfo, TaskInput, corrupt_finder, file_identity, first_example,
+                                host_shard, stream_source)
 
 log = logging.getLogger("tfpod")
 
@@ -70,7 +71,7 @@ LONG_PAIRS = ("filter", "truncate")
 
 
 @dataclasses.dataclass
-class TranslationDataConfig:
+class TranslationDataConfig(DataConfig):
     """The translation data. Attributes map 1:1 to gin `translation_data.<name>`.
 
     Attributes:
@@ -80,8 +81,8 @@ class TranslationDataConfig:
       src_lang, tgt_lang: the bytes features holding source and target text (the WMT
         loader's src_lang / tgt_lang, e.g. 'en' and 'de'; the demo set's 'code', 'doc').
       vocab_path: SentencePiece model of both sides, with pad_id 0 and an EOS piece (as
-        Model Garden's train_sentencepiece.py writes); None: the default corpus's, of
-        `vocab_size` (tfpod.input.prepare).
+        Model Garden's train_sentencepiece.py writes); None: transformer.vocab_path, else
+        the default corpus's, of `vocab_size` (tfpod.input.prepare).
       vocab_size: vocabulary size to train when preparing the default corpus.
       long_pairs: training pairs longer than transformer.src_len / tgt_len (EOS
         included) are dropped ('filter', the WMT loader) or cut to length, EOS kept
@@ -96,8 +97,8 @@ class TranslationDataConfig:
       data_dir: where the demo set is prepared (None: see the module docstring).
     """
 
-    train_files: str | None = None
-    eval_files: str | None = None
+    gin_name: ClassVar[str] = "translation_data"
+
     src_lang: str = DEMO_SRC
     tgt_lang: str = DEMO_TGT
     vocab_path: str | None = None
@@ -105,12 +106,11 @@ class TranslationDataConfig:
     long_pairs: str = "filter"
     eval_max_length: int | None = None
     shuffle_buffer: int = 4096
-    cycle_length: int = 4
     skip_corrupt: bool = False
     max_eval_examples: int | None = None
-    data_dir: str | None = None
 
     def __post_init__(self):
+        super().__post_init__()
         if self.long_pairs not in LONG_PAIRS:
             raise UserError(f"translation_data.long_pairs={self.long_pairs!r}: use one of {', '.join(LONG_PAIRS)}")
         if not self.src_lang or not self.tgt_lang or self.src_lang == self.tgt_lang:
@@ -350,23 +350,28 @@ def translation_dataset(cfg: TranslationDataConfig, pattern: str, vocab_path: st
     return records.batched(ds, host_rows, training)
 
 
+def vocabulary(cfg: TranslationDataConfig, model_vocab_path: str | None = None) -> str:
+    """The SentencePiece model: translation_data.vocab_path, else the model's (transformer.vocab_path),
+    else the prepared corpus's of translation_data.vocab_size (prepared on first use)."""
+    return cfg.vocab_path or model_vocab_path or prepare.vocab_path(prepare.ensure(None, cfg.vocab_size),
+                                                                    cfg.vocab_size)
+
+
 def translation_input(cfg: TranslationDataConfig, model_config, shard: ShardInfo, seed: int) -> TaskInput:
     """The Transformer's TaskInput: prepares the demo set (and the default vocabulary) on
-    first use, checks the records' features and the vocabulary against the model, and
-    records the vocabulary in model_config.vocab_path (BLEU detokenizes with it)."""
+    first use, and checks the records' features and the vocabulary against the model
+    (`vocabulary`; the model's BLEU and serving find the same one)."""
     if cfg.train_files:
         train, evals = cfg.train_files, cfg.eval_files
     else:
         data_dir = ensure(cfg.data_dir)
         train, evals = split_paths(data_dir, "train"), split_paths(data_dir, "eval")
-    vocab_path = cfg.vocab_path or prepare.vocab_path(prepare.ensure(None, cfg.vocab_size), cfg.vocab_size)
+    vocab_path = vocabulary(cfg, model_config.vocab_path)
     pieces = sentencepiece(vocab_path).get_piece_size()
     if pieces > model_config.vocab_size:
         raise UserError(f"vocabulary {vocab_path} has {pieces} pieces but the model has transformer.vocab_size="
                         f"{model_config.vocab_size}: set transformer.vocab_size >= {pieces} or use a smaller "
                         "vocabulary")
-    if model_config.vocab_path is None:
-        model_config.vocab_path = vocab_path
     for pattern in (train, evals):  # feature names checked before the model is built
         if pattern:
             check_features(files_lib.host_files(pattern, shard.num_shards, shard.index, seed)[0], cfg.src_lang,

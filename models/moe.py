@@ -42,6 +42,7 @@ import tensorflow as tf
 import tf_keras
 
 from tfpod import UserError, fused, partitioning
+from tfpod.input import lm_data
 from tfpod.models import gpt, lm_serving, plan_profiles
 from tfpod.partitioning import AxisRule, shard, stages
 from tfpod.task import LossTerms
@@ -414,6 +415,7 @@ class MoETask(gpt.GPTTask):
     axis_rules = AXIS_RULES
 
     build = staticmethod(MoELM)
+    make_input = staticmethod(functools.partial(lm_data.lm_input, model=NAME))  # its messages say moe.*
     loss_terms = staticmethod(loss_terms)
     # Its routing groups are slices of seq_len tokens: served on ids padded to seq_len.
     serving = staticmethod(functools.partial(lm_serving.serving, whole_sequences=True))

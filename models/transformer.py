@@ -97,8 +97,9 @@ class TransformerConfig:
         None: all; 0: no BLEU).
       bleu_lowercase: case-insensitive BLEU (MLPerf reports uncased BLEU).
       vocab_path: SentencePiece model that detokenizes decodes and references for BLEU
-        (Model Garden's TranslationConfig.sentencepiece_model_path); None: the one the
-        input reads with (make_input fills it in).
+        (Model Garden's TranslationConfig.sentencepiece_model_path) when
+        translation_data.vocab_path is unset (that one wins: the input, BLEU and serving
+        use one vocabulary, translation_data's `vocabulary`); None: the prepared corpus's.
     """
 
     vocab_size: int = 33792
@@ -486,10 +487,12 @@ def decode_metrics(context: EvalContext, host_batches) -> dict:
     cfg = context.model_config
     if cfg.decode_examples == 0:
         return {}
-    if not cfg.vocab_path:
-        raise UserError("transformer.vocab_path is unset: BLEU needs the SentencePiece model to detokenize decodes; "
-                        "set transformer.vocab_path (make_input sets it to the input's vocabulary)")
-    tokenizer = translation_data.sentencepiece(cfg.vocab_path)
+    data = context.data_config  # the input's vocabulary (translation_data.vocabulary), else the model's
+    vocab = translation_data.vocabulary(data, cfg.vocab_path) if data is not None else cfg.vocab_path
+    if not vocab:
+        raise UserError("transformer.vocab_path is unset and no translation_data config was given: BLEU needs the "
+                        "SentencePiece model to detokenize decodes; set transformer.vocab_path")
+    tokenizer = translation_data.sentencepiece(vocab)
     eos, size = tokenizer.eos_id(), tokenizer.get_piece_size()
     rows = decode_rows(host_batches, cfg.decode_examples, context.num_hosts, context.host_id)
     n, per = len(rows["inputs"]), context.host_rows
@@ -518,10 +521,9 @@ def serving(model: Seq2SeqTransformer, config: TransformerConfig, data_config) -
         translation string [batch]  the detokenized decode
         ids int32 [batch, decode_length]  its ids, 0 from the first EOS on
     """
-    from tfpod.input import prepare, text as text_lib
+    from tfpod.input import text as text_lib
 
-    vocab_path = data_config.vocab_path or config.vocab_path or prepare.vocab_path(
-        prepare.ensure(None, data_config.vocab_size), data_config.vocab_size)
+    vocab_path = translation_data.vocabulary(data_config, config.vocab_path)
     tokenizer = text_lib.load_tokenizer(vocab_path)
     processor = translation_data.sentencepiece(vocab_path)
     eos, pieces, unk = processor.eos_id(), processor.get_piece_size(), processor.unk_id()

@@ -46,6 +46,10 @@ def test_a_task_missing_part_of_the_contract_is_refused():
     Half.__abstractmethods__ = frozenset()
     with pytest.raises(TypeError, match=r"task Half does not set Task.axis_rules"):
         check_task(Half())
+    Half.axis_rules = TASKS["gpt"].axis_rules
+    with pytest.raises(TypeError, match=r"task Half: its data_config_class <class 'object'> is not a dataclass "
+                                        r"subclassing tfpod.input.common.DataConfig"):
+        check_task(Half())
 
 
 def test_a_task_without_serving_trains_and_export_refuses_it_in_one_line(tmp_path):
@@ -109,7 +113,7 @@ def test_other_library_versions_stop_with_one_line():
 
 
 def test_the_precision_policy_is_restored_not_reset():
-    from tfpod.trainer import precision_policy
+    from tfpod.precision import precision_policy
 
     tf_keras.mixed_precision.set_global_policy("mixed_float16")
     try:

@@ -393,7 +393,7 @@ def test_config_label_map_and_record_checks_are_one_line(demo_dir, tmp_path):
     for kw, needle in [({"max_boxes": 0}, "detection_data.max_boxes=0 must be at least 1"),
                        ({"eval_files": "x"}, "eval_files is set without detection_data.train_files"),
                        ({"max_eval_examples": 0}, "max_eval_examples=0 must be at least 1"),
-                       ({"cycle_length": 0}, "cycle_length=0 >= 1")]:
+                       ({"cycle_length": 0}, "detection_data.cycle_length=0 must be at least 1")]:
         with pytest.raises(UserError, match=needle):
             detection.DetectionDataConfig(**kw)
     train = detection_demo.split_files(demo_dir, "train")

@@ -258,3 +258,17 @@ def test_binary_or_undecodable_text_files_are_refused_or_warned_of(tmp_path, cor
     with caplog.at_level(logging.WARNING, logger="tfpod"):
         common.check_text_files([str(latin)], "")
     assert f"10 of the 2030 bytes read from the start of 1 text file(s) are not UTF-8 (0.49%; most in {latin})" in caplog.text
+
+
+@pytest.mark.unit
+def test_a_shared_data_config_words_its_errors_in_the_tasks_own_gin_names():
+    """gpt and moe both read lm_data.*: each one's message names its own model knobs."""
+    from tfpod.models import TASKS
+
+    for name in ("gpt", "moe"):
+        task = TASKS[name]
+        model = task.config_class(seq_len=32)
+        with pytest.raises(UserError) as e:
+            task.make_input(lm_data.LMDataConfig(seq_len=64), model, ShardInfo(0, 1), 0)
+        assert str(e.value) == (f"lm_data.seq_len=64 is outside [1, 32], the model's maximum length ({name}.seq_len): "
+                                f"lower lm_data.seq_len or raise {name}.seq_len")

@@ -526,9 +526,15 @@ def test_weights_keep_their_order_and_unused_mesh_axes_are_refused():
 
 
 @pytest.mark.unit
-def test_the_spatial_preset_is_refused_for_a_keras_model():
-    """A Keras model's layers do not split image rows: `model` would only repeat work."""
+def test_presets_the_keras_front_end_cannot_honour_are_refused():
+    """A Keras model's layers do not split image rows (`model` would only repeat work), and
+    Keras's optimizer keeps each slot laid out like its weight (weight_update's sharded
+    update would be silently dropped)."""
     with pytest.raises(UserError) as e:
         tfpod.sharding(tfpod.make_mesh("data:2,model:4"), preset="spatial")
     assert "a Keras model's layers do not split image rows" in one_line(e)
     tfpod.sharding(tfpod.make_mesh("data:8"), preset="spatial")  # no axis for the rows: the data preset's work
+    with pytest.raises(UserError) as e:
+        tfpod.sharding(tfpod.make_mesh("data:8"), preset="weight_update")
+    assert "preset 'weight_update' shards the optimizer update over 'data', which the Keras front end does not" \
+        in one_line(e)

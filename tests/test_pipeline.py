@@ -20,8 +20,8 @@ from tfpod import UserError, optimizers
 from tfpod.api import run
 from tfpod.controller import Controller, TrainConfig
 from tfpod.models import bert, gpt, moe
-from tfpod.partitioning import ShardingConfig, stages
-from tfpod.pipeline import check_microbatches, schedules, split_microbatches
+from tfpod.partitioning import ShardingConfig, check_microbatches, split_microbatches, stages
+from tfpod.pipeline import schedules
 
 SMALL = dict(vocab_size=256, seq_len=32, num_layers=4, embed_dim=64, num_heads=8, mlp_dim=128)
 

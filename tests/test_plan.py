@@ -148,7 +148,7 @@ def test_the_planners_build_replays_repeated_blocks_exactly(task_name, model, pr
     import tf_keras
 
     from tfpod.plan import lazy
-    from tfpod.trainer import precision_policy
+    from tfpod.precision import precision_policy
 
     task = TASKS[task_name]
     cfg = task.config_class(**model)

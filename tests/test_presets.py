@@ -10,7 +10,7 @@ import pytest
 from tensorflow.experimental import dtensor
 
 from conftest import assert_golden_layouts, make_run
-from tfpod import optimizers, partitioning
+from tfpod import UserError, optimizers, partitioning
 from tfpod.controller import Controller, TrainConfig
 from tfpod.mesh import make_mesh
 from tfpod.models import gpt
@@ -150,6 +150,32 @@ def test_presets_are_tables_and_switches():
     assert placement(preset="weight_update", update_axis="").update_axis is None
     assert placement(preset="2d").gather_axis == "data"
     assert partitioning.ShardingConfig(preset="data", rules={"mlp": "model"}).table("tensor")["mlp"] == "model"
+
+
+@pytest.mark.unit
+def test_a_preset_is_one_object_and_one_registration(monkeypatch):
+    """A Preset answers its table, axes, search and checks; registering one makes
+    sharding.preset='<name>' pick it, with no other file touched."""
+    from tfpod.partitioning import presets
+
+    assert [p.name for p in presets.PRESETS.values() if p.searched] == ["data", "tensor", "2d", "weight_update"]
+    tensor, wu, spatial = (presets.get_preset(n) for n in ("tensor", "weight_update", "spatial"))
+    assert not tensor.tried_on({"data"}) and tensor.tried_on({"data", "expert"}) and wu.tried_on({"data"})
+    assert not spatial.tried_on({"data", "model"}) and presets.get_preset("data").tried_on({"data", "model"})
+    monkeypatch.setattr(presets, "PRESETS", dict(presets.PRESETS))  # registered for this test only
+    mine = presets.register(presets.Preset("mlp_only", {"batch": "data", "mlp": "model"}, "mlp over model",
+                                           update_axis="model"))
+    placement = partitioning.Placement.from_config(partitioning.ShardingConfig(preset="mlp_only"), "data",
+                                                   make_mesh("data:4,model:2"))
+    assert placement.preset is mine and placement.table["mlp"] == "model" and placement.table["heads"] is None
+    assert placement.update_axis == "model" and placement.gather_axis is None
+    with pytest.raises(UserError, match="a preset named 'mlp_only' exists"):
+        presets.register(mine)
+    presets.register(presets.Preset("typo", {"mlpp": "model"}, ""))
+    with pytest.raises(UserError, match="sharding.preset='typo': its table names unknown logical axis 'mlpp'"):
+        partitioning.rules_table("typo")
+    with pytest.raises(UserError, match="sharding.preset='nope' is not a preset: use one of 2d, data, mlp_only"):
+        partitioning.get_preset("nope")
 
 
 def test_recomputation_with_dropout_replays_the_forward_passs_masks(tmp_path):

@@ -79,7 +79,10 @@ def test_pipeline_reads_wmt_records_and_tokenizes_like_sentencepiece(tmp_path, v
         assert len({tuple(r) for r in seen}) == (4 if long_pairs == "filter" else 5)
     model = transformer.TransformerConfig(vocab_size=2048, src_len=SRC_LEN, tgt_len=TGT_LEN)
     task_input = transformer.TASK.make_input(cfg, model, ShardInfo(0, 1), 0)
-    assert model.vocab_path == vocab  # BLEU detokenizes with the input's vocabulary
+    assert model.vocab_path is None  # the input reads the model's config, never writes it
+    assert translation.vocabulary(cfg, model.vocab_path) == vocab  # what BLEU and serving detokenize with
+    assert translation.vocabulary(cfg, "model.spm") == vocab  # the data's wins over transformer.vocab_path
+    assert translation.vocabulary(translation.TranslationDataConfig(), "model.spm") == "model.spm"
     assert next(iter(task_input.train(4)))["targets"].shape == (4, TGT_LEN)
 
 

@@ -26,14 +26,9 @@ if USER_TF_LOG_LEVEL is not None and _os.environ.get(_TF_LOG_LEVEL_MARK) == USER
 if USER_TF_LOG_LEVEL is None:
     set_tf_log_level("2")
 
-# Installed, `input/` and `models/` are the subpackages tfpod.input and tfpod.models
-# (setup.py package_dir). In a source checkout they sit beside tfpod/, so the
-# checkout root joins this package's search path and the same imports work there.
-_root = _os.path.dirname(_os.path.dirname(_os.path.abspath(__file__)))
-if not _os.path.isdir(_os.path.join(__path__[0], "models")) and _os.path.isfile(
-    _os.path.join(_root, "models", "__init__.py")
-):
-    __path__.append(_root)
+# `input/` and `models/` are the subpackages tfpod.input and tfpod.models: installed by
+# setup.py's package_dir, and in a checkout through the links tfpod/input -> ../input and
+# tfpod/models -> ../models, so the tree itself says where they live.
 
 __version__ = "0.1.0"
 

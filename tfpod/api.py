@@ -134,7 +134,6 @@ def start(c: RunConfigs, options: RunOptions, model_dir: str = "", claim: bool =
                 spec = plan.choose_for_run(c, spec, info, model_dir)
             meshes = meshlib.make_stage_meshes(spec)
         placement = partitioning.Placement.from_config(c.sharding, c.task.default_preset, meshes)
-        _check_image_rows(c.task, placement)
         task_input = None
         if not c.train.synthetic_data:
             task_input = c.task.make_input(c.data, c.model, ShardInfo(info.client_id, info.num_clients), c.train.seed)
@@ -158,32 +157,21 @@ def _given_mesh(options: RunOptions, info):
     return options.mesh
 
 
-def _check_image_rows(task, placement) -> None:
-    """Image rows split over a mesh axis (the `spatial` preset) only for a task whose layers split them."""
-    axis = placement.table.get("height")
-    if axis in placement.mesh.dim_names and placement.mesh.dim_size(axis) > 1 and not task.splits_image_rows:
-        from tfpod.models import TASKS
-
-        able = ", ".join(sorted(name for name, t in TASKS.items() if t.splits_image_rows))
-        raise UserError(f"sharding: image rows (logical axis 'height') over mesh axis {axis!r}, from the spatial "
-                        f"preset or sharding.rules, but model {task.name!r} has no image rows to split: spatial "
-                        f"partitioning is for {able}; use another preset (e.g. tensor or data)")
-
-
 def controller(task, model_config, train_config, optimizer_config, placement, model_dir: str, data_config=None,
                schedule: str = "gpipe"):
     """A Trainer (the model and optimizer on the mesh, the compiled steps) and its Controller
     (`data_config`: the task's, for its host-side eval metrics; `schedule`: a pipeline's)."""
     from tfpod.controller import Controller
-    from tfpod.pipeline import check_microbatches
+    from tfpod.partitioning import check_microbatches
+    from tfpod.models import TASKS
     from tfpod.trainer import Trainer
 
-    if placement.stages and (placement.gather_axis or placement.update_axis):
-        what = "sharding.preset='2d'" if placement.gather_axis else f"an update sharded over {placement.update_axis!r}"
-        raise UserError(f"{what} inside pipeline stages (--mesh with a `stage` axis) is not supported yet: DTensor "
-                        f"computes its data-sharded weights' gradients wrongly in a step that spans the stage meshes "
-                        f"(a gather of a sharded table reads out of range); use the data or tensor preset in the "
-                        f"stages (sharding.update_axis='' turns weight_update's sharded update off)")
+    if placement.preset is not None:
+        placement.preset.check_run(task, placement, TASKS)  # image rows, stages
+    if placement.stages:
+        from tfpod.pipeline import check_pipelines
+
+        check_pipelines(task, ", ".join(sorted(n for n, t in TASKS.items() if t.pipelines)))
     if train_config.microbatches > 1:
         axis = placement.batch_axis(tuple(next(iter(task.batch_axes().values()))))
         check_microbatches(train_config.global_batch_size, placement.mesh.dim_size(axis) if axis else 1,

@@ -27,8 +27,6 @@ No checkpoint is written of non-finite state: `check_finite` copies every weight
 optimizer slot off the devices and checks the copy for NaN and Inf (`NonfiniteState`),
 and `save` writes that copy, so the newest checkpoint is always one a run can go on
 from, and keeping the newest `keep` never drops the last finite one.
-
-`Preemption` turns SIGTERM (tfpod.preemption's flag) into "finish this step, save, exit 0", agreed by all hosts.
 """
 
 from __future__ import annotations
@@ -43,7 +41,7 @@ import numpy as np
 import tensorflow as tf
 from tensorflow.experimental import dtensor
 
-from tfpod import UserError, checkpoint_writer, compat, mesh as meshlib, preemption, run_folder, runtime
+from tfpod import UserError, checkpoint_writer, compat, mesh as meshlib, run_folder, runtime
 from tfpod.partitioning import report, stages
 
 log = logging.getLogger("tfpod")
@@ -230,7 +228,7 @@ class CheckpointManager:
         """Copies this host's shards of the state off the devices (what `save` writes) and
         raises NonfiniteState when any weight or optimizer slot holds a NaN or Inf.
 
-        Every host checks its own shards and the hosts agree (`any_host`), so all raise or
+        Every host checks its own shards and the hosts agree (`mesh.any_host`), so all raise or
         none does. The copy is kept for the `save` of the same step.
         """
         self.wait()  # a background write first frees its copy
@@ -240,7 +238,7 @@ class CheckpointManager:
         copied = time.time() - started
         bad = sorted({key.split("/.ATTRIBUTES")[0] for key, _, value in entries
                       if value.dtype.is_floating and not np.isfinite(value.numpy()).all()})
-        found = bool(bad) if dtensor.num_clients() == 1 else any_host(self._step_mesh, bool(bad))
+        found = bool(bad) if dtensor.num_clients() == 1 else meshlib.any_host(bool(bad), self._step_mesh)
         if found:
             self._checked = None
             raise NonfiniteState(step, bad or ["(on another host)"], self.latest)
@@ -454,43 +452,3 @@ def mismatch(ckpt: tf.train.Checkpoint, path: str, show: int = 3, weights_only: 
     if shapes:
         parts.append(f"{len(shapes)} shape(s) differ ({listed(shapes)})")
     return "; ".join(parts) or None
-
-
-def any_host(mesh: dtensor.Mesh, flag: bool) -> bool:
-    """Whether `flag` is true on any host (a max over every device of the mesh)."""
-    return meshlib.host_max([1.0 if flag else 0.0], mesh)[0] > 0
-
-
-class Preemption:
-    """SIGTERM (a scheduler's preemption notice) as a request to save and stop.
-
-    While active, SIGTERM only sets a flag; the trainer asks `requested()` after each
-    call of the compiled loop, then saves a checkpoint and returns. On several hosts the
-    hosts agree (`any_host`), so all stop after the same step even when the signal
-    reaches them at different times. Used as a context manager around training; the
-    handler stays when `preemption.catch_sigterm` installed it before.
-    """
-
-    def __init__(self, mesh: dtensor.Mesh, num_clients: int):
-        self.mesh, self.num_clients = mesh, num_clients
-        self._previous = None
-
-    def __enter__(self) -> "Preemption":
-        self._previous = preemption.install()  # None when catch_sigterm installed it first
-        return self
-
-    def __exit__(self, *exc) -> None:
-        if self._previous is not None:
-            preemption.uninstall(self._previous)
-            self._previous = None
-
-    @property
-    def signaled(self) -> bool:
-        """Whether this host received SIGTERM."""
-        return preemption.received()
-
-    def requested(self) -> bool:
-        """Whether any host received SIGTERM (a collective when there are several hosts)."""
-        if self.num_clients == 1:
-            return self.signaled
-        return any_host(self.mesh, self.signaled)

@@ -7,9 +7,10 @@ non-finite steps do, and the metrics; around the compiled steps of a Trainer.
 
 Each iteration: the feed gives the next call's batches (up to the next log,
 checkpoint or eval boundary, at most steps_per_loop), the trainer runs them in one call
-of its compiled loop, then on the host: the non-finite policy, the run's record (once
-training has started), the log line, the evaluation and the target stop, the hosts'
-agreement on a preemption notice, and the checkpoint. Everything here runs eagerly.
+of its compiled loop, then on the host its actions (tfpod.actions, `make_actions`): the
+non-finite policy, the run's record (once training has started), the log line, the
+evaluation and the target stop, the hosts' agreement on a preemption notice, and the
+checkpoint. Everything here runs eagerly.
 """
 
 from __future__ import annotations
@@ -23,13 +24,14 @@ from typing import Mapping
 
 import numpy as np
 
-from tfpod import UserError, checkpoint, feeding, flops, goodput, mesh as meshlib, nonfinite, run_folder, runtime
+from tfpod import (UserError, actions, checkpoint, feeding, flops, goodput, mesh as meshlib, nonfinite, preemption,
+                   runtime)
 from tfpod.metrics_writer import MetricsWriter, Throughput
+from tfpod.precision import PRECISIONS
 from tfpod.trainer import Trainer
 
 log = logging.getLogger("tfpod")
 
-PRECISIONS = ("float32", "mixed_bfloat16")
 
 
 @dataclasses.dataclass
@@ -193,6 +195,10 @@ class Controller:
                                    self.info.num_clients, self.cfg.seed, self.cfg.keep_checkpoints,
                                    self.cfg.strict_resume, task.data_name, task.skips_corrupt)
 
+    def _agree(self, signaled: bool) -> bool:
+        """The hosts' agreement on a preemption notice: whether any host received one."""
+        return meshlib.any_host(signaled, self.trainer.placement.mesh)
+
     def _next_boundary(self, step: int) -> int:
         c = self.cfg
         marks = [c.steps, (step // c.log_every + 1) * c.log_every, (step // c.checkpoint_every + 1) * c.checkpoint_every]
@@ -235,49 +241,44 @@ class Controller:
         feed = feed or self.synthetic_feed()
         batches = feed.start(step, resumed)
         start_step, t_start = step, time.time()
-        losses_so_far, last_loss = [], None
-        guard = nonfinite.NonfiniteGuard(c.on_nonfinite, c.max_nonfinite, self.checkpoints)
+        losses_so_far = []
         self.goodput = goodput.Goodput(self.model_dir, self.is_chief)
         self.goodput.begin(step)
-        self._rate, self._traces_seen, self._calls, self._pending_save = None, self.trainer.traces, 0, False
+        self._rate, self._traces_seen, self._calls = None, self.trainer.traces, 0
         self.writer.reset_window()
-        preempted = False
+        stop = None
 
         # A host lost in any collective below (step, preemption agreement, eval, save) is one error line.
         with runtime.stop_on_lost_host(lambda: self.checkpoints.latest), \
-                checkpoint.Preemption(self.trainer.placement.mesh, self.info.num_clients) as preemption:
-            if preemption.requested():  # during start-up: nothing new to save
+                preemption.Preemption(self._agree if self.info.num_clients > 1 else None) as preempt:
+            if preempt.requested():  # during start-up: nothing new to save
                 log.warning("preempted before the first step: nothing new to save; rerun the same command to resume")
                 return {"step": step, "loss": None, "losses": [], "preempted": True}
+            run_actions = self.make_actions(feed, eval_batches, run_files, preempt, t_start)
             while step < c.steps:
                 n = self._next_boundary(step) - step
                 losses, norms = self._call(feeding.stack([next(batches) for _ in range(n)], c.steps_per_loop), n, step)
                 self.goodput.steps(n, self._last_call_s, step + n)
-                rolled_back_to = guard.check(step, losses, norms)
-                if self._calls == 1:  # training has started: only now is the run's record written over
-                    self._write_run_record(run_files)
-                if rolled_back_to is None:
-                    step += n
-                    losses_so_far.extend(float(x) for x in losses)
-                    self.writer.add_steps(losses, norms)
-                    if step % c.log_every == 0 or step == c.steps:
-                        last_loss = self.writer.train(step, self.trainer.learning_rate(), self._rate)["loss"]
-                        self.goodput.record()  # a killed launch keeps what it reached
-                    reached = self._evaluate_on_cadence(eval_batches, step, t_start)
-                    preempted = preemption.requested()
-                    last = step == c.steps or reached or preempted
-                    if last or self._pending_save or step % c.checkpoint_every == 0:
-                        rolled_back_to = self._checkpoint(step, last, guard, feed)
-                        if rolled_back_to is None and last:
-                            break
-                if rolled_back_to is not None:  # the weights, slots and step are the checkpoint's again
-                    del losses_so_far[max(0, rolled_back_to - start_step):]
-                    step = rolled_back_to
+                outcome = actions.Outcome(step, losses, norms, c.steps)
+                for action in run_actions:
+                    action(outcome)
+                    if outcome.rolled_back_to is not None:
+                        break
+                if outcome.rolled_back_to is not None:  # the weights, slots and step are the checkpoint's again
+                    del losses_so_far[max(0, outcome.rolled_back_to - start_step):]
+                    step = outcome.rolled_back_to
                     self.writer.reset_window()
+                    continue
+                step = outcome.end
+                losses_so_far.extend(float(x) for x in losses)
+                if outcome.last:
+                    stop = outcome.stop
+                    break
         self.checkpoints.wait()  # a checkpoint written in the background (train.async_checkpoint) is complete
         summary = self.goodput.record()
         self.writer.goodput(step, summary)
         log.info("%s", goodput.Goodput.line(summary))
+        preempted = stop == "preempted"
         if preempted:
             log.warning("preempted: saved %s at step %d; rerun the same command to resume", self.checkpoints.latest,
                         step)
@@ -286,7 +287,28 @@ class Controller:
             start_step, step, datetime.timedelta(seconds=round(time.time() - t_start)), step, losses_so_far[-1],
         )
         self.writer.flush()
-        return {"step": step, "loss": last_loss, "losses": losses_so_far, "preempted": preempted}
+        metrics = next(a for a in run_actions if isinstance(a, actions.Metrics))
+        return {"step": step, "loss": metrics.last_loss, "losses": losses_so_far, "preempted": preempted}
+
+    def make_actions(self, feed, eval_batches: list | None, run_files: Mapping[str, str] | None,
+                     preempt: preemption.Preemption, started: float) -> list:
+        """The actions after each call of the compiled loop, in order (tfpod.actions)."""
+        c, trainer = self.cfg, self.trainer
+        guard = nonfinite.NonfiniteGuard(c.on_nonfinite, c.max_nonfinite, self.checkpoints)
+
+        def saved(seconds: float, step: int) -> None:
+            self.goodput.add("checkpoint", seconds)
+            self.writer.goodput(step, self.goodput.record())
+
+        out = [actions.Nonfinite(guard), actions.RunRecord(lambda: self._write_run_record(run_files)),
+               actions.Metrics(self.writer, c.log_every, trainer.learning_rate, lambda: self._rate,
+                               self.goodput.record)]
+        if eval_batches is not None:
+            out.append(actions.Evaluation(lambda step, extra: self.evaluate(eval_batches, step, extra), c,
+                                          trainer.task.lower_is_better, started))
+        out += [actions.Preempt(preempt),
+                actions.Checkpointing(self.checkpoints, c.checkpoint_every, guard, feed, self.model_dir, saved)]
+        return out
 
     def _call(self, stacked: Mapping[str, np.ndarray], n: int, step: int) -> tuple[np.ndarray, np.ndarray]:
         """One call of the compiled loop: its losses and gradient norms. Keeps the rate of the
@@ -302,50 +324,6 @@ class Controller:
             self._rate = dt / n if self._rate is None else 0.7 * self._rate + 0.3 * dt / n
         self._traces_seen, self._calls = t.traces, self._calls + 1
         return losses, norms
-
-    def _evaluate_on_cadence(self, eval_batches: list | None, step: int, t_start: float) -> bool:
-        """Evaluates every train.eval_every steps (train_and_eval); whether the target is reached."""
-        c = self.cfg
-        if eval_batches is None or not c.eval_every or not (step % c.eval_every == 0 or step == c.steps):
-            return False
-        result = self.evaluate(eval_batches, step, extra={"train_seconds": time.time() - t_start})
-        lower_is_better = self.trainer.task.lower_is_better
-        if not c.reached(result, lower_is_better):
-            return False
-        log.info("reached %s %s %.4f at step %d, %s after the start of training", c.target_metric,
-                 "<=" if c.target_metric in lower_is_better else ">=", c.target_value, step,
-                 datetime.timedelta(seconds=round(time.time() - t_start)))
-        return True
-
-    def _checkpoint(self, step: int, last: bool, guard: nonfinite.NonfiniteGuard, feed) -> int | None:
-        """Saves the input position and then the model at `step`; returns the step rolled back to, if any.
-
-        During a streak of skipped non-finite steps the save waits for the next step that
-        trains (older checkpoints are never rotated out for it), unless this is the last.
-        Weights or slots that became non-finite stop the run, or roll back under "rollback".
-        """
-        if guard.skipping and not last:
-            if not self._pending_save:
-                log.warning("step %d was skipped as non-finite: its checkpoint waits for the next step that trains",
-                            step)
-            self._pending_save = True
-            return None
-        started = time.time()
-        try:
-            self.checkpoints.check_finite()
-        except checkpoint.NonfiniteState as e:
-            if self.cfg.on_nonfinite != "rollback":
-                raise
-            return guard.roll_back(f"the weights or optimizer state became NaN or Inf at step {step} "
-                                   f"({', '.join(e.variables[:3])})")
-        run_folder.check_held(self.model_dir)  # another run took the folder over: write nothing more
-        feed.save(step)  # first, so the model checkpoint always has its input position
-        self.checkpoints.save(checked=True)
-        self.goodput.add("checkpoint", time.time() - started)
-        self.writer.goodput(step, self.goodput.record())
-        self._pending_save = False
-        guard.saved()
-        return None
 
     def evaluate(self, host_batches, step: int | None = None, extra: Mapping | None = None) -> dict:
         """One full pass over this host's eval batches on the mesh; logs and records it.

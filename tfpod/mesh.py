@@ -167,6 +167,11 @@ def host_max(values: list[float], mesh: dtensor.Mesh | None = None) -> list[floa
     return [float(v) for v in dtensor.unpack(_max_over_devices(dtensor.pack(local, layout)))[0].numpy()]
 
 
+def any_host(flag: bool, mesh: dtensor.Mesh | None = None) -> bool:
+    """Whether `flag` is true on any host (`host_max` over every device of `mesh`)."""
+    return host_max([1.0 if flag else 0.0], mesh)[0] > 0
+
+
 @tf.function(autograph=False)
 def _max_over_devices(x):
     return tf.reduce_max(x, axis=list(range(x.shape.rank - 1)))

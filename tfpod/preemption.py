@@ -2,7 +2,7 @@
 
 This module imports nothing heavy, so main() installs the handler before TensorFlow
 loads: a notice during start-up, training or shutdown then ends the run with status 0
-(the trainer saves at the end of the step it is in; see checkpoint.Preemption), and a
+(the controller saves at the end of the step it is in; see `Preemption`), and a
 second notice (cluster managers repeat it) only sets the flag again.
 
 TensorFlow's multi-client runtime installs a SIGTERM handler of its own in C++ when it
@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import signal
+from typing import Callable
 
 log = logging.getLogger("tfpod")
 
@@ -67,3 +68,41 @@ def reinstall() -> None:
 def received() -> bool:
     """Whether this process received SIGTERM."""
     return _STATE["received"]
+
+
+class Preemption:
+    """SIGTERM (a scheduler's preemption notice) as a request to save and stop.
+
+    While active, SIGTERM only sets a flag; the controller asks `requested()` after each
+    call of the compiled loop, then saves a checkpoint and returns. On several hosts the
+    hosts agree (`agree`, a collective: true when any host's flag is), so all stop after
+    the same step even when the signal reaches them at different times. Used as a
+    context manager around training; the handler stays when `catch_sigterm` installed
+    it before.
+
+    Args:
+      agree: {this host's flag -> whether any host's is set}, e.g. tfpod.mesh.any_host on
+        the run's mesh; None on one host.
+    """
+
+    def __init__(self, agree: Callable[[bool], bool] | None = None):
+        self.agree = agree
+        self._previous = None
+
+    def __enter__(self) -> "Preemption":
+        self._previous = install()  # None when catch_sigterm installed it first
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._previous is not None:
+            uninstall(self._previous)
+            self._previous = None
+
+    @property
+    def signaled(self) -> bool:
+        """Whether this host received SIGTERM."""
+        return received()
+
+    def requested(self) -> bool:
+        """Whether any host received SIGTERM (a collective when `agree` is given)."""
+        return self.signaled if self.agree is None else self.agree(self.signaled)

@@ -22,7 +22,7 @@ import numpy as np
 import tensorflow as tf
 
 from tfpod import evaluation
-from tfpod.input.common import ShardInfo, TaskInput
+from tfpod.input.common import DataConfig, ShardInfo, TaskInput
 from tfpod.partitioning import AxisRule, Placement
 
 
@@ -33,7 +33,8 @@ class Task(abc.ABC):
       name: the model's name: `experiment.model`, and its config's gin name (`<name>.*`).
       config_class: the model's config dataclass.
       data_name: the gin name of its data config (tasks may share one: gpt, moe `lm_data`).
-      data_config_class: the data config dataclass.
+      data_config_class: the data config dataclass, a subclass of tfpod.input.common.DataConfig
+        (the fields every data config has) whose `gin_name` is data_name.
       default_preset: the sharding preset when `sharding.preset` is unset.
       axis_rules: variable-path rules giving every variable its logical axes.
       eval_metric: the on-device eval metric (tfpod.evaluation.Metric).
@@ -165,6 +166,11 @@ class LossTerms:
     aux: tf.Tensor | None = None
     metrics: Mapping[str, tf.Tensor] = dataclasses.field(default_factory=dict)
 
+    @staticmethod
+    def step_counts(microbatch_counts: Sequence[Sequence[tf.Tensor]]) -> list[tf.Tensor]:
+        """The whole step's count of each term: the microbatches' `Task.loss_counts` summed term by term."""
+        return [tf.add_n(list(term)) for term in zip(*microbatch_counts)]
+
     def loss(self, counts: Sequence[tf.Tensor], microbatches: int = 1) -> tf.Tensor:
         """sum over the terms of sum / max(count, 1), plus aux / microbatches: this batch's share of
         the step's loss, where `counts` are the whole step's (`Task.loss_counts`, summed)."""
@@ -262,6 +268,12 @@ def check_task(task: Task) -> None:
                  "eval_metric"):
         if not hasattr(type(task), attr):
             raise TypeError(f"task {type(task).__name__} does not set Task.{attr}")
+    if not (isinstance(task.data_config_class, type) and issubclass(task.data_config_class, DataConfig)):
+        raise TypeError(f"task {type(task).__name__}: its data_config_class {task.data_config_class!r} is not a "
+                        "dataclass subclassing tfpod.input.common.DataConfig (the fields every data config has)")
+    if task.data_config_class.gin_name != task.data_name:
+        raise TypeError(f"task {type(task).__name__}: {task.data_config_class.__name__}.gin_name is "
+                        f"{task.data_config_class.gin_name!r}, not its data_name {task.data_name!r}")
     for capability, cls, field in (("recomputes", task.config_class, "remat"),
                                    ("skips_corrupt", task.data_config_class, "skip_corrupt")):
         if getattr(task, capability) and field not in {f.name for f in dataclasses.fields(cls)}:

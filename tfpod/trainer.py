@@ -16,7 +16,6 @@ Controller's (tfpod.controller).
 
 from __future__ import annotations
 
-import contextlib
 from typing import Mapping, Sequence
 
 import numpy as np
@@ -25,7 +24,8 @@ import tf_keras
 
 from tfpod import compat, evaluation, optimizers, partitioning, pipeline, runtime
 from tfpod.partitioning import Placement
-from tfpod.task import EvalContext, Task
+from tfpod.precision import precision_policy
+from tfpod.task import EvalContext, LossTerms, Task
 
 
 def make_train_loop(model, update: optimizers.Update, task: Task, clip_norm: float | None, steps_per_loop: int,
@@ -34,7 +34,7 @@ def make_train_loop(model, update: optimizers.Update, task: Task, clip_norm: flo
 
     A step's loss is `task.loss_terms` over `task.loss_counts` of its whole batch. With
     microbatches > 1 each step's batch comes as [microbatches, rows / microbatches, ...]
-    (`partitioning.placement.split_microbatches`): the counts are summed over the
+    (`Placement.split_microbatches`): the counts are summed over the
     microbatches first, then each microbatch's share of the loss (its sums over the whole
     step's counts, its aux term over the microbatches) is differentiated in turn and the
     gradients summed: the loss and gradients of the unsplit batch (up to rounding; batch
@@ -55,7 +55,8 @@ def make_train_loop(model, update: optimizers.Update, task: Task, clip_norm: flo
 
     Returns:
       fn(stacked_batches, num_steps) -> (losses [steps_per_loop], grad_norms
-      [steps_per_loop]); entries past num_steps are 0.
+      [steps_per_loop]); entries past num_steps are 0. Compile it with the run's
+      `Placement.compile`: traced outside a placement's activation context it raises.
     """
     variables = model.trainable_variables
     m = microbatches
@@ -70,7 +71,7 @@ def make_train_loop(model, update: optimizers.Update, task: Task, clip_norm: flo
         if m == 1:
             return share(batch, task.loss_counts(batch), None)
         take = lambda j: {k: tf.gather(v, j) for k, v in batch.items()}
-        counts = [tf.add_n(list(term)) for term in zip(*[task.loss_counts(take(j)) for j in range(m)])]
+        counts = LossTerms.step_counts([task.loss_counts(take(j)) for j in range(m)])
         loss, grads = share(take(0), counts, 0)  # the first outside the loop: its gradients' layouts start it
 
         def body(j, loss, grads):
@@ -93,8 +94,11 @@ def make_train_loop(model, update: optimizers.Update, task: Task, clip_norm: flo
         tf.cond(tf.math.is_finite(loss) & tf.math.is_finite(norm), lambda: update.apply(grads), skip)
         return loss, norm
 
-    @tf.function(autograph=False)  # traced as written: no source conversion (seconds per process)
     def train_loop(stacked, num_steps):
+        if partitioning.active_context() is None:  # its activation annotations would silently do nothing
+            raise RuntimeError("the train loop was traced outside a placement's activation context: compile it "
+                               "with Placement.compile")
+
         def body(i, losses, norms):
             loss, norm = train_step({k: tf.gather(v, i) for k, v in stacked.items()})
             hot = tf.one_hot(i, steps_per_loop)
@@ -105,17 +109,6 @@ def make_train_loop(model, update: optimizers.Update, task: Task, clip_norm: flo
         return losses, norms
 
     return train_loop
-
-
-@contextlib.contextmanager
-def precision_policy(name: str):
-    """tf_keras's global mixed-precision policy set to `name` inside, restored after."""
-    previous = tf_keras.mixed_precision.global_policy()
-    tf_keras.mixed_precision.set_global_policy(name)
-    try:
-        yield
-    finally:
-        tf_keras.mixed_precision.set_global_policy(previous)
 
 
 class Trainer:
@@ -172,8 +165,8 @@ class Trainer:
             self.pipeline = pipeline.Pipeline(pipeline.staged_model(task, self.model), task.loss_counts, placement,
                                               self.update, optimizer_config.clip_norm, schedule, microbatches)
             return
-        self._loop = make_train_loop(self.model, self.update, task, optimizer_config.clip_norm, steps_per_loop,
-                                     microbatches)
+        self._loop = placement.compile(make_train_loop(self.model, self.update, task, optimizer_config.clip_norm,
+                                                       steps_per_loop, microbatches))
 
     def layout_report(self) -> str:
         """The layout report of the weights and the optimizer state (layouts.txt)."""
@@ -199,14 +192,10 @@ class Trainer:
             return self._pipelined_loop(host_stack, num_steps)
         leading = 1
         if self.microbatches > 1:
-            axes = self.task.batch_axes()
-            axis = self.placement.batch_axis(tuple(axes[next(iter(host_stack))]))
-            host_stack = partitioning.split_microbatches(host_stack, self.microbatches,
-                                                         len(partitioning.local_shards(self.placement.mesh, axis)), 1)
+            host_stack = self.placement.split_microbatches(host_stack, self.microbatches, self.task.batch_axes(), 1)
             leading = 2
         stacked = self.placement.to_global(host_stack, self.task.batch_axes(), leading_dims=leading)
-        with self.placement.activations():
-            losses, norms = self._loop(stacked, tf.constant(num_steps, tf.int32))
+        losses, norms = self._loop(stacked, tf.constant(num_steps, tf.int32))
         return runtime.to_host(losses)[:num_steps], runtime.to_host(norms)[:num_steps]
 
     def _pipelined_loop(self, host_stack: Mapping[str, np.ndarray], num_steps: int) -> tuple[np.ndarray, np.ndarray]:

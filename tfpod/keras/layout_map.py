@@ -97,13 +97,7 @@ class KerasSharding(compat.layout_map_lib().LayoutMap):
         self.mesh = mesh
         self.rules = _parse_rules(rules, mesh)
         self.table = shardinglib.rules_table(preset, overrides)
-        rows = self.table.get("height")
-        if rows in mesh.dim_names and mesh.dim_size(rows) > 1:
-            raise UserError(
-                f"tfpod.sharding: image rows (logical axis 'height') over mesh axis {rows!r}, from preset "
-                f"{preset!r} or overrides: a Keras model's layers do not split image rows here (the spatial preset "
-                "is for tfpod's resnet and ssd through main.py); use preset='data' or 'tensor'"
-            )
+        shardinglib.get_preset(preset).check_keras(self.table, mesh)
         # Mesh axes named directly in a rule map to themselves.
         for r in self.rules:
             for a in r.axes:

@@ -4,21 +4,12 @@ Models name the dimensions of their variables with *logical axes* (`batch`, `len
 `height`, `embed`, `heads`, `kv`, `mlp`, `vocab`, `expert`). Variable-path rules (regex over the
 variable name, e.g. `gpt/block_\\d+/self_attention/query/kernel`) give logical axes to
 variables of layers we do not write (tf-models-official). One *rules table* maps each
-logical axis to a mesh axis (or to nothing: replicated). Presets are rules tables:
-
-    data           every weight replicated, the batch split over `data`
-    tensor         Megatron-LM: heads and mlp hidden over `model` (column-parallel into
-                   a block, row-parallel out of it), vocab-parallel embedding and
-                   output layer; MoE experts over `expert`
-    2d             `tensor`, and every weight's `embed` dimension also over `data`
-                   (weights and optimizer state divided by the whole mesh; DTensor
-                   gathers a weight's `data` shards where a layer uses it)
-    weight_update  `tensor` for compute, and the optimizer state and update sharded
-                   over `data` (MLPerf TPU-pod weight-update sharding, ZeRO-style): see
-                   UPDATE_AXIS and tfpod.optimizers.Update
-    spatial        image models: every weight replicated, the batch over `data` and each
-                   image's rows (`height`) over `model` (MLPerf's spatial partitioning),
-                   with tfpod's own halo exchange (see `spatial`)
+logical axis to a mesh axis (or to nothing: replicated). A *preset* is one object
+(tfpod.partitioning.presets.Preset): a named rules table, the axes its optimizer update
+is sharded over and its weights gathered over, whether `--mesh=auto` tries it, and its
+checks against tasks, pipeline stages and the Keras front end. The presets: data,
+tensor (Megatron-LM), 2d, weight_update (ZeRO-style), spatial (image rows); see
+tfpod.partitioning.presets.
 
 Two switches combine with any preset: `sequence_parallel` maps the residual stream's
 `sequence` axis to `model` (Megatron sequence parallelism: layer norms and dropout
@@ -36,7 +27,8 @@ shape and the rule.
 
 The modules, each usable on its own (this package re-exports their public names):
 
-  rules        logical axes, presets, AxisRule, rules_table, resolve (validation),
+  presets      the Preset objects and their registry (PRESETS, get_preset, register)
+  rules        logical axes, AxisRule, rules_table, resolve (validation),
                check_mesh_axes, ShardingConfig (gin `sharding.*`)
   report       the layout report (layouts.txt)
   build        a tf_keras model materialized as DVariables laid out by the rules;
@@ -58,7 +50,8 @@ from tfpod.partitioning.dropout import microbatch, random_layout, replayable_dro
 from tfpod.partitioning.placement import (Placement, batch_mesh_axis, check_microbatches, host_rows, local_shards,
                                          place, split_microbatches)
 from tfpod.partitioning.report import bytes_per_device, layout_report
-from tfpod.partitioning.rules import (GATHER_AXIS, LOGICAL_AXES, PRESETS, UPDATE_AXIS, AxisRule, ShardingConfig, VarSpec,
+from tfpod.partitioning.presets import PRESETS, Preset, get_preset
+from tfpod.partitioning.rules import (LOGICAL_AXES, AxisRule, ShardingConfig, VarSpec,
                                       check_mesh_axes, layout_for, resolve, rules_table)
 
 __all__ = [
@@ -87,10 +80,10 @@ __all__ = [
     "split_microbatches",
     "bytes_per_device",
     "layout_report",
-    "GATHER_AXIS",
     "LOGICAL_AXES",
     "PRESETS",
-    "UPDATE_AXIS",
+    "Preset",
+    "get_preset",
     "AxisRule",
     "ShardingConfig",
     "VarSpec",

@@ -13,8 +13,9 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import math
-from typing import Mapping, Sequence
+from typing import Callable, Mapping, Sequence
 
 import numpy as np
 import tensorflow as tf
@@ -23,6 +24,7 @@ from tensorflow.experimental import dtensor
 from tfpod import UserError
 from tfpod.partitioning import stages
 from tfpod.partitioning.activations import activation_sharding
+from tfpod.partitioning.presets import Preset, get_preset
 from tfpod.partitioning.rules import ShardingConfig, check_mesh_axes, layout_for
 
 
@@ -109,6 +111,8 @@ class Placement:
       stages: the pipeline stages' sub-meshes (tfpod.partitioning.stages), first to last;
         empty without a `stage` axis. `mesh` is then the first stage's: every host has
         devices in every stage, so host-wide collectives and the data layout use it.
+      preset: the Preset the table came from (its checks: Preset.check_run); None for a
+        placement built by hand.
     """
 
     mesh: dtensor.Mesh
@@ -116,6 +120,7 @@ class Placement:
     update_axis: str | None = None
     gather_axis: str | None = None
     stages: tuple = ()
+    preset: Preset | None = None
 
     @property
     def num_stages(self) -> int:
@@ -141,7 +146,8 @@ class Placement:
         if stages:
             mesh = stages[0]
         placement = cls(mesh, config.table(default_preset), config.optimizer_axis(default_preset),
-                        config.gather_axis(default_preset), stages if len(stages) > 1 else ())
+                        config.gather_axis(default_preset), stages if len(stages) > 1 else (),
+                        get_preset(config.preset or default_preset))
         if check:
             check_mesh_axes(mesh, placement.table, (placement.update_axis, placement.gather_axis),
                             preset=config.preset or default_preset,
@@ -151,6 +157,21 @@ class Placement:
     def activations(self) -> contextlib.AbstractContextManager:
         """The context in which models' activation annotations relayout on this mesh."""
         return activation_sharding(self.mesh, self.table)
+
+    def compile(self, fn: Callable) -> Callable:
+        """`fn` as a tf.function (traced as written, no autograph) that is traced and run only
+        inside this placement's activation context: the one point where a step learns the
+        mesh and table its annotations (`shard`, `split`, `replicate`) lay activations out on.
+        The result keeps `experimental_get_tracing_count`."""
+        compiled = tf.function(fn, autograph=False)
+
+        @functools.wraps(fn)
+        def run(*args, **kwargs):
+            with self.activations():
+                return compiled(*args, **kwargs)
+
+        run.experimental_get_tracing_count = compiled.experimental_get_tracing_count
+        return run
 
     # -- the data layout ------------------------------------------------------
 
@@ -167,6 +188,15 @@ class Placement:
         axis = self.batch_axis(feature_axes)
         per_shard = global_batch // (self.mesh.dim_size(axis) if axis else 1)
         return np.concatenate([np.arange(i * per_shard, (i + 1) * per_shard) for i in local_shards(self.mesh, axis)])
+
+    def split_microbatches(self, host_batch: Mapping[str, np.ndarray], microbatches: int,
+                           feature_axes: Mapping[str, Sequence[str | None]], leading_dims: int = 0
+                           ) -> dict[str, np.ndarray]:
+        """This host's batch [*leading, rows, ...] as [*leading, microbatches, rows / microbatches, ...],
+        each microbatch split over the batch axis like the whole batch (the module function
+        `split_microbatches` over the batch shards this host feeds)."""
+        axis = self.batch_axis(tuple(feature_axes[next(iter(host_batch))]))
+        return split_microbatches(host_batch, microbatches, len(local_shards(self.mesh, axis)), leading_dims)
 
     def to_global(self, host_batch: Mapping[str, np.ndarray | tf.Tensor],
                   feature_axes: Mapping[str, Sequence[str | None]], leading_dims: int = 0) -> dict[str, tf.Tensor]:

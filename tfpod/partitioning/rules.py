@@ -17,25 +17,12 @@ import tensorflow as tf
 from tensorflow.experimental import dtensor
 
 from tfpod import UserError
+from tfpod.partitioning.presets import get_preset
 
 LOGICAL_AXES = ("batch", "length", "sequence", "height", "embed", "heads", "kv", "mlp", "vocab", "expert")
 
 AxisNames = tuple  # tuple[str | None, ...]: one logical axis (or None) per dimension
 
-_MEGATRON = {"heads": "model", "mlp": "model", "vocab": "model", "expert": "expert"}
-PRESETS: dict[str, dict[str, str | None]] = {
-    "data": {"batch": "data"},
-    "tensor": {"batch": "data", **_MEGATRON},
-    "2d": {"batch": "data", **_MEGATRON, "embed": "data"},
-    "weight_update": {"batch": "data", **_MEGATRON},
-    "spatial": {"batch": "data", "height": "model"},
-}
-# The mesh axis a preset shards the optimizer state and update over (default: none,
-# the state is laid out like its weight).
-UPDATE_AXIS: dict[str, str] = {"weight_update": "data"}
-# The mesh axis whose weight shards a preset gathers where a layer uses the weight
-# (default: none, weights are used in their stored layout).
-GATHER_AXIS: dict[str, str] = {"2d": "data"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,18 +62,18 @@ def rules_table(preset: str, overrides: Mapping[str, str | None] | None = None) 
     """The logical->mesh axis table of a preset, with user overrides applied.
 
     Args:
-      preset: a key of PRESETS.
+      preset: a registered preset's name (tfpod.partitioning.presets).
       overrides: {logical_axis: mesh_axis or None} replacing the preset's entries.
 
     Raises:
-      UserError: unknown preset or unknown logical axis.
+      UserError: unknown preset, or an unknown logical axis in the preset or the overrides.
     """
-    if preset not in PRESETS:
-        raise UserError(
-            f"sharding.preset={preset!r} is not a preset: use one of {', '.join(sorted(PRESETS))}"
-        )
     table = {a: None for a in LOGICAL_AXES}
-    table.update(PRESETS[preset])
+    for logical, mesh_axis in get_preset(preset).table.items():
+        if logical not in LOGICAL_AXES:
+            raise UserError(f"sharding.preset={preset!r}: its table names unknown logical axis {logical!r}; use one "
+                            f"of {', '.join(LOGICAL_AXES)}")
+        table[logical] = mesh_axis
     for logical, mesh_axis in (overrides or {}).items():
         if logical not in LOGICAL_AXES:
             raise UserError(
@@ -222,12 +209,12 @@ class ShardingConfig:
     """Attributes map 1:1 to gin `sharding.<name>`.
 
     Attributes:
-      preset: a key of PRESETS (None: the experiment's default).
+      preset: a preset's name, see tfpod.partitioning.presets (None: the experiment's default).
       rules: {logical axis: mesh axis or None} overriding the preset's table.
       sequence_parallel: split the residual stream between blocks over `model` along
         the sequence (Megatron sequence parallelism).
       update_axis: mesh axis to shard the optimizer state and update over (None: the
-        preset's, see UPDATE_AXIS; "" for none).
+        preset's; "" for none).
       pipeline_schedule: with a `stage` mesh axis, the order each stage runs its
         microbatches in: "gpipe" (all forwards, then all backwards) or "1f1b" (one
         forward, one backward: at most `stage` microbatches' activations alive).
@@ -254,8 +241,8 @@ class ShardingConfig:
         """The mesh axis the optimizer state and update are sharded over, if any."""
         if self.update_axis is not None:
             return self.update_axis or None
-        return UPDATE_AXIS.get(self.preset or default_preset)
+        return get_preset(self.preset or default_preset).update_axis
 
     def gather_axis(self, default_preset: str) -> str | None:
         """The mesh axis whose weight shards are gathered where a layer uses them, if any."""
-        return GATHER_AXIS.get(self.preset or default_preset)
+        return get_preset(self.preset or default_preset).gather_axis

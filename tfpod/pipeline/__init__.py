@@ -21,23 +21,23 @@ from __future__ import annotations
 
 from tfpod import UserError
 from tfpod.pipeline import schedules
-from tfpod.partitioning.placement import check_microbatches, split_microbatches
 from tfpod.pipeline.step import Pipeline, variable_stages
 from tfpod.task import StagedModel
 
 
+def check_pipelines(task, able: str = "") -> None:
+    """One UserError line when `task` declares no stages (Task.pipelines); `able` names the
+    models that do (the caller's registry: this package sits below the models)."""
+    if not task.pipelines:
+        raise UserError(f"model {task.name!r} does not run in pipeline stages (a `stage` mesh axis): pipelines "
+                        f"are for {able or 'models whose Task declares stages'}; drop the stage axis "
+                        f"(train.microbatches alone accumulates gradients for every model)")
+
+
 def staged_model(task, model) -> StagedModel:
     """The task's StagedModel of `model`; a task that does not pipeline is one UserError."""
-    staged = task.staged(model)
-    if staged is None:
-        from tfpod.models import TASKS
-
-        able = ", ".join(sorted(n for n, t in TASKS.items() if t.pipelines))
-        raise UserError(f"model {task.name!r} does not run in pipeline stages (a `stage` mesh axis): pipelines "
-                        f"are for {able}; drop the stage axis (train.microbatches alone accumulates gradients "
-                        f"for every model)")
-    return staged
+    check_pipelines(task)
+    return task.staged(model)
 
 
-__all__ = ["Pipeline", "StagedModel", "check_microbatches", "schedules", "split_microbatches", "staged_model",
-           "variable_stages"]
+__all__ = ["Pipeline", "StagedModel", "check_pipelines", "schedules", "staged_model", "variable_stages"]

@@ -25,8 +25,7 @@ import tensorflow as tf
 from tensorflow.experimental import dtensor
 
 from tfpod import UserError, compat
-from tfpod.partitioning import Placement, gathered_weights, layout_for, local_shards, shard, stages
-from tfpod.partitioning.placement import split_microbatches
+from tfpod.partitioning import Placement, gathered_weights, layout_for, shard, stages
 from tfpod.partitioning.dropout import microbatch
 from tfpod.pipeline import schedules
 from tfpod.task import LossTerms, StagedModel
@@ -128,8 +127,7 @@ class Pipeline:
 
     def train_step(self, host_batch: Mapping[str, np.ndarray], feature_axes) -> tuple[tf.Tensor, tf.Tensor]:
         """One optimizer step on this host's rows of a global batch: (loss, gradient norm) DTensors."""
-        axis = self.placement.batch_axis(tuple(feature_axes[next(iter(host_batch))]))
-        split = split_microbatches(host_batch, self.microbatches, len(local_shards(self.placement.mesh, axis)))
+        split = self.placement.split_microbatches(host_batch, self.microbatches, feature_axes)
         # Each microbatch packed on its own (slicing one [M, rows, ...] DTensor lost the
         # layout of features with unsharded trailing dimensions, e.g. BERT's predictions).
         packed = [self.to_device({k: v[i] for k, v in split.items()}, feature_axes) for i in range(self.microbatches)]
@@ -151,8 +149,7 @@ class Pipeline:
         staged, p, m = self.staged, self.num_stages, self.microbatches
         last = p - 1
         with self.placement.stage_activations(last):
-            counts = [self.loss_counts(stage_batches[last][i]) for i in range(m)]  # [microbatch][term]
-            totals = [tf.add_n(list(term)) for term in zip(*counts)]
+            totals = LossTerms.step_counts([self.loss_counts(stage_batches[last][i]) for i in range(m)])
         tapes, inputs, outputs, objectives, input_grads = {}, {}, {}, {}, {}
         grads = [None] * len(self.variables)
         previous = [[] for _ in range(p)]  # what the stage's last action produced

@@ -66,7 +66,7 @@ class Planner:
 
     def __init__(self, configs, device: DeviceSpec, num_devices: int):
         from tfpod import partitioning
-        from tfpod.trainer import precision_policy
+        from tfpod.precision import precision_policy
 
         if num_devices < 1:
             raise UserError(f"--plan_num_devices={num_devices} must be at least 1")
@@ -126,13 +126,14 @@ class Planner:
             does not divide, microbatches that do not divide the batch shards).
         """
         from tfpod import compat, pipeline
-        from tfpod.partitioning import Placement, resolve
+        from tfpod.partitioning import Placement, check_microbatches, resolve
         from tfpod.partitioning.build import var_name
 
         c, task, device = self.c, self.c.task, self.device
         model_config, train, sharding = self.configs_for(choice)
         axes, num_stages, rest, meshes = self._meshes(choice.mesh)
         placement = Placement.from_config(sharding, task.default_preset, meshes)
+        placement.preset.check_run(task, placement)  # what training would refuse (e.g. 2d inside stages)
         mesh, table = placement.mesh, placement.table
         preset = sharding.preset or task.default_preset
         layouts = resolve(self.specs, task.axis_rules, table, mesh)
@@ -148,7 +149,7 @@ class Planner:
             raise UserError(f"train.global_batch_size={global_batch} does not divide over mesh axis {batch_axis!r} "
                             f"of size {shards}: use a multiple of {shards}")
         if train.microbatches > 1:
-            pipeline.check_microbatches(global_batch, shards, train.microbatches)
+            check_microbatches(global_batch, shards, train.microbatches)
         state = memory.state_bytes(self.specs, layouts, stage_of, num_stages, c.optimizer, placement.update_axis,
                                    placement.gather_axis, [batch_axis] if batch_axis else [])
         remat = bool(model_config.remat) if task.recomputes else False

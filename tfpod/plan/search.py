@@ -24,8 +24,6 @@ from tfpod.plan.planner import Choice, Planner
 
 log = logging.getLogger("tfpod")
 
-SEARCH_PRESETS = ("data", "tensor", "2d", "weight_update")
-
 
 def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
@@ -67,17 +65,17 @@ def candidates(planner: Planner, mesh: str | None = None) -> Iterator[Choice]:
     for spec in [mesh] if mesh else _meshes(planner.num_devices, tuple(names)):
         sizes = dict(p.split(":") for p in spec.replace(" ", "").split(","))
         stages = int(sizes.get("stage", 1))
-        for preset in SEARCH_PRESETS:
-            if preset not in PRESETS or (preset != "data" and "model" not in sizes and "expert" not in sizes
-                                         and preset != "weight_update"):
+        for preset in PRESETS.values():  # in registration order
+            if not preset.tried_on(sizes):
                 continue
-            for sp in ((False, True) if "model" in sizes and preset != "data" else (False,)):
+            splits_model = "model" in sizes and "model" in preset.table.values()
+            for sp in ((False, True) if splits_model else (False,)):
                 for remat in ((False, True) if has_remat else (None,)):
                     if stages > 1:
                         for m in (stages, 2 * stages, 4 * stages):  # plan() drops those the batch refuses
-                            yield Choice(spec, preset, sp, remat, m)
+                            yield Choice(spec, preset.name, sp, remat, m)
                     else:
-                        yield Choice(spec, preset, sp, remat, None)
+                        yield Choice(spec, preset.name, sp, remat, None)
 
 
 def _plans(planner: Planner, choice: Choice) -> list[tuple[Choice, dict]]:
