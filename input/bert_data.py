@@ -57,7 +57,7 @@ EVAL_MASK_SEED = 12345  # online-masked eval examples are the same in every run 
 V2_NAMES = {"input_ids": "input_word_ids", "segment_ids": "input_type_ids"}
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class BertDataConfig(DataConfig):
     """BERT's data. Attributes map 1:1 to gin `bert_data.<name>`.
 

@@ -131,7 +131,7 @@ def find_corrupt(pattern_files: tuple[str, ...]) -> str | None:
     return None
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class DataConfig:
     """The fields every task's data config has (lm_data, bert_data, translation_data,
     image_data, detection_data subclass it; each says what its files hold).

@@ -90,7 +90,7 @@ OBJECT_FEATURES = ("image/object/bbox/ymin", "image/object/bbox/xmin", "image/ob
                    "image/object/bbox/xmax", "image/object/class/label")
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class DetectionDataConfig(DataConfig):
     """The detection data. Attributes map 1:1 to gin `detection_data.<name>`.
 

@@ -61,7 +61,7 @@ MEAN_RGB = (0.485 * 255, 0.456 * 255, 0.406 * 255)
 STDDEV_RGB = (0.229 * 255, 0.224 * 255, 0.225 * 255)
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class ImageDataConfig(DataConfig):
     """The image data. Attributes map 1:1 to gin `image_data.<name>`.
 

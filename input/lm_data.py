@@ -43,7 +43,7 @@ FORMATS = ("auto", "tfrecord", "text", "ids")
 PACKINGS = ("concat", "segments")
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class LMDataConfig(DataConfig):
     """The LM's data. Attributes map 1:1 to gin `lm_data.<name>`.
 

@@ -70,7 +70,7 @@ MANIFEST = "manifest.json"
 LONG_PAIRS = ("filter", "truncate")
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class TranslationDataConfig(DataConfig):
     """The translation data. Attributes map 1:1 to gin `translation_data.<name>`.
 

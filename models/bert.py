@@ -65,7 +65,7 @@ from tfpod.task import LossTerms, StagedModel, Task
 ACTIVATIONS = ("gelu", "gelu_approximate", "relu")
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class BertConfig:
     """Shape of BERT. Attributes map 1:1 to gin `bert.<name>`; the defaults are BERT-large.
 

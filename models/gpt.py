@@ -38,7 +38,7 @@ from tfpod.task import LossTerms, StagedModel, Task
 ACTIVATION_AXES = ("batch", "sequence", "embed")
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class GPTConfig:
     """Shape of the LM. Attributes map 1:1 to gin `gpt.<name>`.
 

@@ -59,7 +59,7 @@ EXPERT_HIDDEN_AXES = ("expert", "batch", None, None, "mlp")  # [experts, batch, 
 RETURN_AXES = (None, "batch", "expert", None, "embed")  # [experts, batch, groups, capacity, embed]
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class MoEConfig(gpt.GPTConfig):
     """Shape of the MoE LM. Attributes map 1:1 to gin `moe.<name>`.
 

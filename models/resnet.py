@@ -47,7 +47,7 @@ def _mg_resnet():
     return resnet
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class ResNetConfig:
     """Shape of the classifier. Attributes map 1:1 to gin `resnet.<name>`.
 

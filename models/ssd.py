@@ -87,7 +87,7 @@ MLPERF_SCALE_FRACTIONS = tuple(s / 300 for s in boxes_lib.MLPERF_SPEC.scales)
 MLPERF_RATIOS = boxes_lib.MLPERF_SPEC.aspect_ratios
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class SSDConfig:
     """Shape and loss of the detector. Attributes map 1:1 to gin `ssd.<name>`.
 

@@ -70,7 +70,7 @@ ACTIVATIONS = ("relu", "gelu")
 ACTIVATION_AXES = ("batch", "length", "embed")
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class TransformerConfig:
     """Shape, loss and decoding of the Transformer. Attributes map 1:1 to gin
     `transformer.<name>`; the defaults are Transformer big (MLPerf).

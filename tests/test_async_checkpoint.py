@@ -84,8 +84,7 @@ def write_both_ways(tmp_path, mesh, preset, blocks, **sharding):
     with run.checkpoints._mesh():  # DTensor's SaveV2 on the mesh, as tf.train.Checkpoint writes it
         reference = tf.train.CheckpointManager(run.checkpoints._ckpt, str(tmp_path / "tf"), 1).save(2)
     assert_same_checkpoint(reference, ours, saves)
-    background = checkpoint.CheckpointManager(str(tmp_path / "async"), run.trainer.step, async_save=True,
-                                              model=run.trainer.model, optimizer=run.trainer.optimizer)
+    background = checkpoint.CheckpointManager(str(tmp_path / "async"), run.trainer.state, async_save=True)
     path = background.save()
     counted = int(background._ckpt.save_counter.numpy())  # what this save wrote (read before anything else runs)
     background.wait()
@@ -138,6 +137,7 @@ def test_synchronous_and_background_checkpoints_hold_what_tensorflows_own_save_d
 EXIT_WHILE_WRITING = """
 import sys
 from tfpod import checkpoint, runtime
+from tfpod.train_state import TrainState
 runtime.initialize(cpu_devices=8)
 import tensorflow as tf
 from tensorflow.experimental import dtensor
@@ -146,7 +146,7 @@ layout = dtensor.Layout(["unsharded", "model"], mesh)
 module = tf.Module()
 module.weights = [dtensor.DVariable(dtensor.call_with_layout(tf.ones, layout, [4000, 4000])) for _ in range(4)]
 step = dtensor.DVariable(dtensor.call_with_layout(tf.fill, dtensor.Layout.replicated(mesh, 0), [], tf.constant(5, tf.int64)))
-checkpoint.CheckpointManager(sys.argv[1], step, async_save=True, model=module).save()
+checkpoint.CheckpointManager(sys.argv[1], TrainState(step, module), async_save=True).save()
 raise SystemExit("stopped by an error while a checkpoint is written")
 """
 

@@ -23,7 +23,7 @@ LAYERS = [
                                     "tfpod.metrics_writer", "tfpod.goodput", "tfpod.checkpoint",
                                     "tfpod.checkpoint_writer"),
      "planner": ("tfpod.plan",)},
-    {"trainer and pipeline": ("tfpod.trainer", "tfpod.pipeline"), "models": ("tfpod.models",)},
+    {"trainer and pipeline": ("tfpod.trainer", "tfpod.train_state", "tfpod.pipeline"), "models": ("tfpod.models",)},
     {"task contract": ("tfpod.task",)},
     {"input": ("tfpod.input",)},
     {"partitioning and the runtime": ("tfpod.partitioning", "tfpod.optimizers", "tfpod.fused", "tfpod.mesh",

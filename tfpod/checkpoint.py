@@ -42,7 +42,8 @@ import tensorflow as tf
 from tensorflow.experimental import dtensor
 
 from tfpod import UserError, checkpoint_writer, compat, mesh as meshlib, run_folder, runtime
-from tfpod.partitioning import report, stages
+from tfpod.partitioning import report
+from tfpod.train_state import TrainState
 
 log = logging.getLogger("tfpod")
 
@@ -106,15 +107,15 @@ def open_manager(ckpt: tf.train.Checkpoint, directory: str, keep: int, steps: li
 
 
 class CheckpointManager:
-    """Saves and restores {name: trackable} under model_dir/checkpoints."""
+    """Saves and restores a run's TrainState (tfpod.train_state) under model_dir/checkpoints."""
 
-    def __init__(self, model_dir: str, step: tf.Variable, keep: int = 3, async_save: bool = False, **trackables):
+    def __init__(self, model_dir: str, state: TrainState, keep: int = 3, async_save: bool = False):
         if keep < 1:
             raise UserError(f"train.keep_checkpoints={keep} must be at least 1")
         self.directory = os.path.join(model_dir, "checkpoints")
-        self._step = step
-        self._ckpt = tf.train.Checkpoint(**trackables)
-        self._model = trackables.get("model")
+        self.state = state
+        self._step = step = state.step
+        self._ckpt = tf.train.Checkpoint(**state.trackables())
         # A reader beside a live run (an evaluation) leaves a damaged list to that run.
         mender = dtensor.client_id() == 0 and run_folder.live_holder(model_dir) is None
         self._manager = open_manager(self._ckpt, self.directory, keep, complete_steps(self.directory), mender,
@@ -164,7 +165,7 @@ class CheckpointManager:
         try:
             with self._mesh():
                 self._ckpt.restore(path).assert_existing_objects_matched()
-            stages.apply_restored()  # pipeline stages' variables, read through the first stage
+            self.state.after_restore()  # pipeline stages' variables, read through the first stage
         except (AssertionError, ValueError) as e:
             raise UserError(f"checkpoint {path} is not of this model ({first_line(e)}); {fix}") from None
 
@@ -174,7 +175,7 @@ class CheckpointManager:
         Raises:
           UserError: the checkpoint is of another model (`what` names the setting that gave it).
         """
-        read_weights(self._model, path, f"{what}={path}", "pass a checkpoint of the same model config", self._mesh)
+        read_weights(self.state, path, f"{what}={path}", "pass a checkpoint of the same model config", self._mesh)
 
     def restore_latest(self) -> int | None:
         """Restores the newest complete, readable checkpoint if there is one; returns its step or None.
@@ -330,15 +331,15 @@ class NonfiniteState(UserError):
         )
 
 
-def read_weights(model, path: str, where: str, fix: str, scope=contextlib.nullcontext) -> None:
-    """Reads only `model`'s weights from checkpoint `path` (its optimizer state is left),
-    within `scope` (e.g. the default mesh a DTensor restore names its files on).
+def read_weights(state: TrainState, path: str, where: str, fix: str, scope=contextlib.nullcontext) -> None:
+    """Reads only the state's model weights from checkpoint `path` (its optimizer state is
+    left), within `scope` (e.g. the default mesh a DTensor restore names its files on).
 
     Raises:
       UserError: "`where` is not of this model" (the variables that differ) or does not fit
         it, then `fix`.
     """
-    ckpt = tf.train.Checkpoint(model=model)
+    ckpt = tf.train.Checkpoint(model=state.model)
     problem = mismatch(ckpt, path, weights_only=True)
     if problem:
         raise UserError(f"{where} is not of this model: {problem}; {fix}")
@@ -349,7 +350,7 @@ def read_weights(model, path: str, where: str, fix: str, scope=contextlib.nullco
     except (AssertionError, ValueError) as e:
         raise UserError(f"{where} does not fit this model ({first_line(e)}): {fix}") from None
     status.expect_partial()  # the optimizer's state is not read
-    stages.apply_restored()  # pipeline stages' variables, read through the first stage
+    state.after_restore()  # pipeline stages' variables, read through the first stage
 
 
 def resolve(path: str, what: str) -> str:

@@ -8,6 +8,9 @@ its name (`gpt.*`) and data config under its data name (`lm_data.*`).
 Every bound value is checked against its field's type before a config is made (the
 field, the value and the expected type in one line), then by the config's own checks
 (ranges, choices); gin files mark values an experiment must set as `%gin.REQUIRED`.
+The config dataclasses are frozen: once validated, a value changes only by making a new
+config (`dataclasses.replace`, as the planner does with its choice), so nothing derived
+flows back into a config a user wrote (the input reads the model's config, never writes it).
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ import tfpod
 from tfpod import UserError
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class ExperimentConfig:
     """Which model and mesh. Attributes map 1:1 to gin `experiment.<name>`.
 

@@ -34,7 +34,7 @@ log = logging.getLogger("tfpod")
 
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class TrainConfig:
     """The run. Attributes map 1:1 to gin `train.<name>`.
 
@@ -148,9 +148,8 @@ class Controller:
         log.info("layouts (every variable: %s, written when training starts):\n%s",
                  os.path.join(model_dir, "layouts.txt"), summary)
         os.makedirs(model_dir, exist_ok=True)
-        self.checkpoints = checkpoint.CheckpointManager(model_dir, trainer.step, keep=config.keep_checkpoints,
-                                                        async_save=config.async_checkpoint,
-                                                        model=trainer.model, optimizer=trainer.optimizer)
+        self.checkpoints = checkpoint.CheckpointManager(model_dir, trainer.state, keep=config.keep_checkpoints,
+                                                        async_save=config.async_checkpoint)
         tokens_per_step = config.global_batch_size * (tokens or 1)
         per_device = config.peak_flops or flops.peak_flops_per_device(
             self.info.device_type, "bfloat16" if config.precision == "mixed_bfloat16" else "float32")

@@ -35,6 +35,7 @@ import tensorflow as tf
 
 from tfpod import UserError
 from tfpod.checkpoint import read_weights, scan
+from tfpod.train_state import TrainState
 
 log = logging.getLogger("tfpod")
 
@@ -63,7 +64,7 @@ def single_device_model(task, model_config, path: str):
     model = task.build(model_config)
     example = {k: tf.zeros([1] + list(s.shape[1:]), s.dtype) for k, s in task.input_signature(model_config).items()}
     model(task.model_inputs(example), training=False)  # creates the variables
-    read_weights(model, path, f"checkpoint {path}", "export with the gin config it was trained with")
+    read_weights(TrainState(None, model), path, f"checkpoint {path}", "export with the gin config it was trained with")
     return model
 
 

@@ -32,7 +32,7 @@ OPTIMIZERS = ("adamw", "lamb", "lars", "sgd")
 DECAYS = ("cosine", "linear", "polynomial", "rsqrt", "piecewise", "constant")
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class OptimizerConfig:
     """Optimizer and schedule. Attributes map 1:1 to gin `optimizer.<name>`.
 

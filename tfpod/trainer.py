@@ -26,6 +26,7 @@ from tfpod import compat, evaluation, optimizers, partitioning, pipeline, runtim
 from tfpod.partitioning import Placement
 from tfpod.precision import precision_policy
 from tfpod.task import EvalContext, LossTerms, Task
+from tfpod.train_state import TrainState
 
 
 def make_train_loop(model, update: optimizers.Update, task: Task, clip_norm: float | None, steps_per_loop: int,
@@ -152,6 +153,7 @@ class Trainer:
                                         placement.update_axis)
         self.state_specs, self.state_layouts = self.update.state_specs()
         self.step = self.optimizer.iterations  # the global step
+        self.state = TrainState(self.step, self.model, self.optimizer)  # what checkpoints hold
         self.dropout_layers = partitioning.replayable_dropout(self.model, self.step, seed)
         self._eval_step = None
         self.pipeline = None
@@ -160,8 +162,8 @@ class Trainer:
                 for v in self.model.variables:
                     partitioning.stages.follow_active_mesh(v)
                 self.update.follow_stages()
-                for v in self.model.variables + optimizers.slot_variables(self.optimizer) + self.update.shadow_list():
-                    partitioning.stages.save_through(v, placement.mesh)
+                self.state.save_through(self.model.variables + optimizers.slot_variables(self.optimizer)
+                                        + self.update.shadow_list(), placement.mesh)
             self.pipeline = pipeline.Pipeline(pipeline.staged_model(task, self.model), task.loss_counts, placement,
                                               self.update, optimizer_config.clip_norm, schedule, microbatches)
             return

@@ -8,6 +8,7 @@ import tensorflow as tf
 import tf_keras
 
 from tfpod import UserError, checkpoint as checkpointlib, compat
+from tfpod.train_state import TrainState
 
 log = logging.getLogger("tfpod")
 
@@ -77,8 +78,7 @@ class Checkpoint(tf_keras.callbacks.Callback):
         _build_optimizer_state(optimizer, model)
         if self.manager is None:
             self.manager = checkpointlib.CheckpointManager(
-                self.model_dir, optimizer.iterations, keep=self.keep, model=model, optimizer=optimizer
-            )
+                self.model_dir, TrainState(optimizer.iterations, model, optimizer), keep=self.keep)
         self.restored_step = self.manager.restore_latest() if self.restore else None
         self._saved_step = self.restored_step if self.restored_step is not None else -1
         self._previous_state = compat.training_state(model)

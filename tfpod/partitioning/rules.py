@@ -204,7 +204,7 @@ def resolve(
 PIPELINE_SCHEDULES = ("gpipe", "1f1b")
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class ShardingConfig:
     """Attributes map 1:1 to gin `sharding.<name>`.
 

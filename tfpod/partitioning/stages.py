@@ -176,18 +176,16 @@ def stage_index(layout: dtensor.Layout, meshes: Sequence[dtensor.Mesh]) -> int:
     raise ValueError(f"layout on a mesh that is not a stage: {layout.mesh}")
 
 
-_RESTORED: list = []  # (variable, its first-stage holder) read by the latest restore
-
-
-def save_through(variable, mesh: dtensor.Mesh) -> None:
+def save_through(variable, mesh: dtensor.Mesh, restored: list) -> None:
     """Makes checkpoints write and read `variable` (a DVariable on another stage) on `mesh`.
 
     One checkpoint save or restore names its files on one mesh (DTensor places the
     file-name ops on the mesh of the first variable its save or restore function holds,
     and an op may not read two meshes), so every stage's variables are saved and read
     through the first stage: when a checkpoint is written or read, each is copied there in
-    its own sharding, into a holder variable; a restore reads into the holders, and
-    `apply_restored` copies them back. The checkpoint's keys and values are those of an
+    its own sharding, into a holder variable; a restore reads into the holders, lists
+    (variable, holder) in `restored` (the run's, tfpod.train_state.TrainState), and
+    `apply_restored(restored)` copies them back. The checkpoint's keys and values are those of an
     unpipelined run, so checkpoints move between pipelined and unpipelined meshes both ways.
     While a checkpoint is written or read, the first stage's devices also hold the other
     stages' state.
@@ -213,15 +211,15 @@ def save_through(variable, mesh: dtensor.Mesh) -> None:
 
         def restore(self, restored_tensors, restored_shapes):
             del restored_shapes
-            _RESTORED.append((inner, self.holder))
+            restored.append((inner, self.holder))
             return self.holder.assign(restored_tensors[0])
 
     compat.set_checkpoint_saveable(inner, Saveable)
 
 
-def apply_restored() -> None:
-    """Copies what the latest checkpoint restore read into the first stage's holders to
-    their variables on the other stages (`save_through`)."""
-    while _RESTORED:
-        inner, holder = _RESTORED.pop()
+def apply_restored(restored: list) -> None:
+    """Copies what the latest checkpoint restore read into the first stage's holders (the
+    pairs `save_through` listed in `restored`) to their variables on the other stages."""
+    while restored:
+        inner, holder = restored.pop()
         inner.assign(to_mesh(holder.read_value(), holder.layout.mesh, inner.layout))
