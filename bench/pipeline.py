@@ -44,6 +44,11 @@ import time
 
 from workers import run_worker  # bench/workers.py (scripts run from bench/)
 
+# The CPU allocator's peak comes from tf.config.experimental.get_memory_info, which the default
+# CPU allocator does not track on the Eigen path (an AMD EPYC without AVX-512: "Cannot reset
+# memory stats for device 'CPU:0'"); the BFC allocator tracks it on every CPU. Set before
+# TensorFlow loads, here and (inherited) in the workers.
+os.environ.setdefault("TF_CPU_ALLOCATOR_USE_BFC", "true")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MODEL = dict(vocab_size=2048, num_layers=4, embed_dim=256, num_heads=8, mlp_dim=1024)
 

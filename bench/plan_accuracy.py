@@ -32,6 +32,11 @@ import sys
 import tempfile
 import time
 
+# The CPU allocator's peak comes from tf.config.experimental.get_memory_info, which the default
+# CPU allocator does not track on the Eigen path (an AMD EPYC without AVX-512: "Cannot reset
+# memory stats for device 'CPU:0'"); the BFC allocator tracks it on every CPU. Set before
+# TensorFlow loads, here and (inherited) in the workers.
+os.environ.setdefault("TF_CPU_ALLOCATOR_USE_BFC", "true")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "bench"))
