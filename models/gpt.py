@@ -413,16 +413,12 @@ def loss_counts(batch: dict) -> list:
 
 def head_terms(model: GPT, x: tf.Tensor, batch: dict) -> LossTerms:
     """The loss terms of the final hidden states x [batch, length, embed] (the tied output layer's)."""
-    _, metrics = head_loss(model, x, batch)
-    return LossTerms([metrics["loss_sum"]], metrics=metrics)
-
-
-def head_loss(model: GPT, x: tf.Tensor, batch: dict):
-    """The tied output layer's loss of the final hidden states x [batch, length, embed]."""
     table = model.token_embedding.embeddings
     if rows_split(table):
-        return loss_from_logits(model.output_logits(x), batch)
-    return output_layer_loss(x, tf.cast(table, x.dtype), batch)
+        sums = loss_from_logits(model.output_logits(x), batch)
+    else:
+        sums = output_layer_loss(x, tf.cast(table, x.dtype), batch)
+    return LossTerms([sums["loss_sum"]], metrics=sums)
 
 
 def staged(model: GPT) -> StagedModel:
@@ -441,7 +437,7 @@ def staged(model: GPT) -> StagedModel:
 
 
 def output_layer_loss(x: tf.Tensor, table: tf.Tensor, batch: dict):
-    """Mean cross entropy of the tied output layer's logits x @ table^T, with its own gradient.
+    """Cross entropy of the tied output layer's logits x @ table^T, with its own gradient.
 
     The same loss as `loss_from_logits(output_logits(x))`, in fewer passes over the
     [tokens, vocab] logits (gpt_small: 4096 x 50304, 824 MB at float32), which at this
@@ -465,7 +461,8 @@ def output_layer_loss(x: tf.Tensor, table: tf.Tensor, batch: dict):
       batch: "targets" int32 and "weights" float32 [batch, length].
 
     Returns:
-      (loss, {"loss_sum", "weight_sum"}) as float32 scalars.
+      {"loss_sum": the weighted token losses' sum, "weight_sum": the weights' sum}, float32
+      scalars (the Trainer divides one by the other; `loss_counts`).
     """
     embed, vocab = x.shape[-1], table.shape[0]
     flat = tf.reshape(x, [-1, embed])  # [tokens, embed]
@@ -495,30 +492,25 @@ def output_layer_loss(x: tf.Tensor, table: tf.Tensor, batch: dict):
 
         return tf.reduce_sum(token_loss * weights), grad
 
-    return _weighted_mean(weighted_sum(flat, table), weight_sum)
+    return {"loss_sum": weighted_sum(flat, table), "weight_sum": weight_sum}
 
 
 def loss_from_logits(logits: tf.Tensor, batch: dict):
-    """Mean cross entropy of logits [batch, length, vocab] against batch targets and weights.
+    """Cross entropy of logits [batch, length, vocab] against batch targets and weights.
 
     Written as logsumexp minus the target logit (picked with a one-hot product), so a
     vocab-sharded logits tensor reduces with all-reduces (Megatron's vocab-parallel
     cross entropy) instead of being gathered.
 
     Returns:
-      (loss, {"loss_sum", "weight_sum"}) as float32 scalars.
+      {"loss_sum", "weight_sum"} as `output_layer_loss`.
     """
     vocab = logits.shape[-1]
     log_z = tf.reduce_logsumexp(logits, axis=-1)  # [batch, length]
     target_logit = tf.reduce_sum(logits * tf.one_hot(batch["targets"], vocab, dtype=logits.dtype), axis=-1)
     token_loss = log_z - target_logit  # [batch, length]
     weights = batch["weights"]
-    return _weighted_mean(tf.reduce_sum(token_loss * weights), tf.reduce_sum(weights))
-
-
-def _weighted_mean(loss_sum: tf.Tensor, weight_sum: tf.Tensor):
-    """(loss_sum / weight_sum (at least 1), {"loss_sum", "weight_sum"}): the loss functions' return."""
-    return loss_sum / tf.maximum(weight_sum, 1.0), {"loss_sum": loss_sum, "weight_sum": weight_sum}
+    return {"loss_sum": tf.reduce_sum(token_loss * weights), "weight_sum": tf.reduce_sum(weights)}
 
 
 def flops_per_token(config: GPTConfig) -> float:

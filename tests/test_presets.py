@@ -176,6 +176,13 @@ def test_a_preset_is_one_object_and_one_registration(monkeypatch):
         partitioning.rules_table("typo")
     with pytest.raises(UserError, match="sharding.preset='nope' is not a preset: use one of 2d, data, mlp_only"):
         partitioning.get_preset("nope")
+    # A placement built by hand has a Preset of its own table, checked as a named one is.
+    from tfpod.models import gpt
+
+    by_hand = partitioning.Placement(make_mesh("data:4,model:2"), {"batch": "data", "height": "model"})
+    assert by_hand.preset.name == "custom" and by_hand.preset.table == {"batch": "data", "height": "model"}
+    with pytest.raises(UserError, match="image rows .* but model 'gpt' has no image rows to split"):
+        by_hand.preset.check_run(gpt.TASK, by_hand)
 
 
 def test_recomputation_with_dropout_replays_the_forward_passs_masks(tmp_path):

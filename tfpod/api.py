@@ -166,8 +166,7 @@ def controller(task, model_config, train_config, optimizer_config, placement, mo
     from tfpod.models import TASKS
     from tfpod.trainer import Trainer
 
-    if placement.preset is not None:
-        placement.preset.check_run(task, placement, TASKS)  # image rows, stages
+    placement.preset.check_run(task, placement, TASKS)  # image rows, stages
     if placement.stages:
         from tfpod.pipeline import check_pipelines
 

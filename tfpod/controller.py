@@ -253,7 +253,7 @@ class Controller:
             if preempt.requested():  # during start-up: nothing new to save
                 log.warning("preempted before the first step: nothing new to save; rerun the same command to resume")
                 return {"step": step, "loss": None, "losses": [], "preempted": True}
-            run_actions = self.make_actions(feed, eval_batches, run_files, preempt, t_start)
+            run_actions, metrics = self.make_actions(feed, eval_batches, run_files, preempt, t_start)
             while step < c.steps:
                 n = self._next_boundary(step) - step
                 losses, norms = self._call(feeding.stack([next(batches) for _ in range(n)], c.steps_per_loop), n, step)
@@ -286,12 +286,12 @@ class Controller:
             start_step, step, datetime.timedelta(seconds=round(time.time() - t_start)), step, losses_so_far[-1],
         )
         self.writer.flush()
-        metrics = next(a for a in run_actions if isinstance(a, actions.Metrics))
         return {"step": step, "loss": metrics.last_loss, "losses": losses_so_far, "preempted": preempted}
 
     def make_actions(self, feed, eval_batches: list | None, run_files: Mapping[str, str] | None,
-                     preempt: preemption.Preemption, started: float) -> list:
-        """The actions after each call of the compiled loop, in order (tfpod.actions)."""
+                     preempt: preemption.Preemption, started: float) -> tuple[list, actions.Metrics]:
+        """The actions after each call of the compiled loop, in order (tfpod.actions), and the
+        Metrics action among them (its `last_loss` is the run's result)."""
         c, trainer = self.cfg, self.trainer
         guard = nonfinite.NonfiniteGuard(c.on_nonfinite, c.max_nonfinite, self.checkpoints)
 
@@ -299,15 +299,15 @@ class Controller:
             self.goodput.add("checkpoint", seconds)
             self.writer.goodput(step, self.goodput.record())
 
-        out = [actions.Nonfinite(guard), actions.RunRecord(lambda: self._write_run_record(run_files)),
-               actions.Metrics(self.writer, c.log_every, trainer.learning_rate, lambda: self._rate,
-                               self.goodput.record)]
+        metrics = actions.Metrics(self.writer, c.log_every, trainer.learning_rate, lambda: self._rate,
+                                  self.goodput.record)
+        out = [actions.Nonfinite(guard), actions.RunRecord(lambda: self._write_run_record(run_files)), metrics]
         if eval_batches is not None:
             out.append(actions.Evaluation(lambda step, extra: self.evaluate(eval_batches, step, extra), c,
                                           trainer.task.lower_is_better, started))
         out += [actions.Preempt(preempt),
                 actions.Checkpointing(self.checkpoints, c.checkpoint_every, guard, feed, self.model_dir, saved)]
-        return out
+        return out, metrics
 
     def _call(self, stacked: Mapping[str, np.ndarray], n: int, step: int) -> tuple[np.ndarray, np.ndarray]:
         """One call of the compiled loop: its losses and gradient norms. Keeps the rate of the

@@ -111,8 +111,9 @@ class Placement:
       stages: the pipeline stages' sub-meshes (tfpod.partitioning.stages), first to last;
         empty without a `stage` axis. `mesh` is then the first stage's: every host has
         devices in every stage, so host-wide collectives and the data layout use it.
-      preset: the Preset the table came from (its checks: Preset.check_run); None for a
-        placement built by hand.
+      preset: the Preset the table came from (its checks: Preset.check_run); a placement
+        built by hand gets a Preset named 'custom' of its own table and axes, so every
+        placement's run is checked the same way.
     """
 
     mesh: dtensor.Mesh
@@ -121,6 +122,11 @@ class Placement:
     gather_axis: str | None = None
     stages: tuple = ()
     preset: Preset | None = None
+
+    def __post_init__(self):
+        if self.preset is None:
+            object.__setattr__(self, "preset", Preset("custom", dict(self.table), "a placement built by hand",
+                                                      self.update_axis, self.gather_axis, searched=False))
 
     @property
     def num_stages(self) -> int:
