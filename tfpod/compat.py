@@ -530,6 +530,29 @@ def onednn_enabled() -> bool:
     return bool(_pywrap_util_port.IsMklEnabled())
 
 
+def share_variable_handle_programs() -> None:
+    """Eager variable handles without TensorFlow's per-variable `debug_name` (graph ones keep it).
+
+    DTensor compiles an eager op once per set of attributes; TensorFlow 2.20 gives each
+    VarHandleOp its variable's name as an attribute, so DTensor compiled one program per
+    variable created (21 ms each on 8 CPU devices, against 3 ms when reused: gpt's 110
+    variables and slots took 2.3 s). The variables keep their names (Python-side)."""
+    from tensorflow.python.eager import context
+    from tensorflow.python.ops import gen_resource_variable_ops as ops
+
+    make = ops.var_handle_op
+    if getattr(make, "tfpod_shared", False):
+        return
+
+    def var_handle_op(*args, **kwargs):
+        if context.executing_eagerly():
+            kwargs["debug_name"], kwargs["name"] = "", None
+        return make(*args, **kwargs)
+
+    var_handle_op.tfpod_shared = True
+    ops.var_handle_op = var_handle_op
+
+
 def unary_dataset_base():
     """tf.data's base class of a dataset that wraps another with the same structure."""
     from tensorflow.python.data.ops import dataset_ops

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import gc
 import logging
 import os
 import re
@@ -18,7 +19,7 @@ import numpy as np
 import tensorflow as tf
 from tensorflow.experimental import dtensor
 
-from tfpod import UserError, preemption
+from tfpod import UserError, compat, preemption
 
 log = logging.getLogger("tfpod")
 
@@ -175,6 +176,8 @@ def initialize(cpu_devices: int | None = None, device_type: str | None = None) -
         num_clients=dtensor.num_clients(),
         client_id=dtensor.client_id(),
     )
+    settle_garbage_collector()
+    compat.share_variable_handle_programs()
     log.info(
         "runtime: %d %s device(s) on this host, %d in all, host %d of %d",
         _INFO.num_local_devices,
@@ -184,6 +187,25 @@ def initialize(cpu_devices: int | None = None, device_type: str | None = None) -
         _INFO.num_clients,
     )
     return _INFO
+
+
+# Python's young-generation threshold after start-up (its default is 700 allocations).
+GC_THRESHOLDS = (50_000, 20, 20)
+
+
+def settle_garbage_collector() -> None:
+    """Tunes Python's cyclic garbage collector for a process that traces and compiles steps.
+
+    Tracing a step builds and drops hundreds of thousands of Python objects (ops, tensors,
+    Keras call contexts). With Python's defaults the collector then walks TensorFlow's
+    own start-up objects (some 360,000, alive for the whole process) again and again: a
+    tenth of a test run's CPU time (perf), 2.5 s of a 25 s run. The objects alive now are
+    frozen (`gc.freeze`: no collection walks them again), and a young collection runs every
+    50,000 allocations instead of 700. Memory is still collected: cycles made after start-up
+    are freed by the next collections. (Megatron-LM's `--manual-gc` answers the same cost.)
+    """
+    gc.freeze()
+    gc.set_threshold(*GC_THRESHOLDS)
 
 
 LOST_HOST_ERRORS = (
