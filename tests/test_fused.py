@@ -102,6 +102,32 @@ def _cross_entropy_float64(logits, x, table, targets, weights):
             (d_logits.T @ x, lambda eps, u: grad_bound(eps, u) * d_logits_abs.T @ np.abs(x))]
 
 
+@pytest.mark.parametrize("pool,strides,padding", [((2, 2), (2, 2), "VALID"), ((3, 3), (1, 1), "SAME"),
+                                                  ((3, 2), (2, 1), "SAME"), ((3, 3), (2, 2), "valid")])
+def test_avg_pool_equals_tensorflows_with_its_gradient(pool, strides, padding):
+    """fused.avg_pool2d (a depthwise sum over a filter of ones, divided by the positions a
+    window covers: with SAME padding fewer at the edges) against tf.nn.avg_pool2d, value
+    and input gradient, in float64. Error model: both sum at most pool_h x pool_w terms
+    (each output, and each input's gradient) and divide once, in another order: within
+    (pool_h x pool_w + 1) 2^-53 of the largest term times the number of terms."""
+    rng = np.random.default_rng(0)
+    x = tf.constant(rng.normal(size=(2, 7, 6, 3)))
+    results = []
+    for f in (fused.avg_pool2d, tf.nn.avg_pool2d):
+        with tf.GradientTape() as tape:
+            tape.watch(x)
+            y = f(x, pool, strides, padding.upper())
+            w = tf.constant(np.random.default_rng(1).normal(size=y.shape))
+            total = tf.reduce_sum(y * w)
+        results.append((y.numpy(), tape.gradient(total, x).numpy(), w.numpy()))
+    (y, dx, w), (want_y, want_dx, _) = results
+    terms = pool[0] * pool[1]
+    assert y.shape == want_y.shape and dx.shape == want_dx.shape
+    np.testing.assert_allclose(y, want_y, rtol=0, atol=(terms + 1) * terms * 2.0 ** -53 * np.abs(x).max())
+    np.testing.assert_allclose(dx, want_dx, rtol=0, atol=(terms + 1) * terms * 2.0 ** -53 * np.abs(w).max())
+    assert np.abs(want_dx).max() > 0.1
+
+
 @pytest.mark.parametrize("dtype", [tf.float32, tf.bfloat16])
 def test_output_layer_loss_equals_the_logits_loss_with_its_gradient(dtype):
     """gpt.output_layer_loss (softmax once, one-hot terms as gathers) and the model's other

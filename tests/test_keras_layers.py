@@ -1,6 +1,7 @@
 """Which common tf_keras layers train sharded (the README's table "What trains sharded").
 
-Each layer sits in a small functional model (input -> layer -> flatten -> dense) built
+Each layer sits in a small functional model (input -> layer -> flatten -> dense; average
+pooling after a 1x1 convolution, so that its gradient runs) built
 under `tfpod.sharding` on data:8 and fit on batch-sharded data; a layer that trains must
 give the losses of the same model fit unsharded from the same weights, and one that
 cannot must be refused at compile with one line naming the op.
@@ -32,7 +33,10 @@ LAYERS = {
     "DepthwiseConv1D": (SEQ, lambda: L.DepthwiseConv1D(3, padding="same"), None),
     "SeparableConv1D": (SEQ, lambda: L.SeparableConv1D(4, 3, padding="same"), None),
     "MaxPooling2D": (IMG, lambda: L.MaxPooling2D(), None),
-    "AveragePooling2D": (IMG, lambda: L.AveragePooling2D(), None),
+    "AveragePooling2D": (IMG, "conv_then_avg_pool", None),  # after a layer with weights: its gradient runs
+    "AveragePooling2D(3, strides=1, same)": (IMG, "conv_then_overlapping_avg_pool", None),
+    "AveragePooling1D": (SEQ, "conv_then_avg_pool_1d", None),
+    "AveragePooling3D": (VOL, "conv_then_avg_pool_3d", "AvgPool3DGrad"),
     "GlobalMaxPooling2D": (IMG, lambda: L.GlobalMaxPooling2D(), None),
     "UpSampling2D": (IMG, lambda: L.UpSampling2D(interpolation="bilinear"), None),
     "ZeroPadding2D": (IMG, lambda: L.ZeroPadding2D(), None),
@@ -53,6 +57,13 @@ LAYERS = {
 def layer_output(shape, make, inputs):
     if make == "attention":
         return L.MultiHeadAttention(2, 4)(inputs, inputs)
+    if isinstance(make, str) and make.startswith("conv_then_"):  # AvgPool's gradient runs only after a layer with weights
+        pool = {"conv_then_avg_pool": lambda: L.AveragePooling2D(),
+                "conv_then_overlapping_avg_pool": lambda: L.AveragePooling2D(3, strides=1, padding="same"),
+                "conv_then_avg_pool_1d": lambda: L.AveragePooling1D(2),
+                "conv_then_avg_pool_3d": lambda: L.AveragePooling3D(2)}[make]()
+        conv = {SEQ: L.Conv1D, IMG: L.Conv2D, VOL: L.Conv3D}[shape](4, 1)
+        return pool(conv(inputs))
     if make == "mg_embedding":  # Model Garden's (BertEncoderV2's word embedding)
         from official.nlp.modeling.layers import OnDeviceEmbedding
 

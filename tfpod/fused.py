@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import os
 
+import numpy as np
 import tensorflow as tf
 import tf_keras
 
@@ -294,3 +295,39 @@ def depthwise_conv2d(x: tf.Tensor, kernel: tf.Tensor, strides=(1, 1), padding: s
         return y, grad
 
     return core(x, kernel)
+
+
+def avg_pool2d(x: tf.Tensor, pool_size=(2, 2), strides=(2, 2), padding: str = "VALID") -> tf.Tensor:
+    """`tf.nn.avg_pool2d` (NHWC), with a gradient that DTensor can lay out.
+
+    DTensor runs the forward AvgPool kernel but has no layout propagation for AvgPoolGrad.
+    Here a window's sum is `depthwise_conv2d` with a filter of ones over the input padded
+    with zeros (its input gradient is the forward kernel again; unequal strides, which
+    that kernel refuses, run at stride 1 and keep every stride-th row and column), divided
+    by the number of input positions the window covers: pool_h x pool_w, or with "SAME"
+    padding fewer at the edges (TensorFlow's average leaves the padding out).
+
+    Args:
+      x: [batch, height, width, channels]; height and width static.
+      pool_size, strides: (h, w).
+      padding: "SAME" or "VALID" (either case).
+
+    Returns:
+      [batch, out_height, out_width, channels], as tf.nn.avg_pool2d.
+    """
+    (kh, kw), (sh, sw), padding = tuple(pool_size), tuple(strides), padding.upper()
+    counts, pads, outs = [], [], []
+    for size, k, s in ((x.shape[1], kh, sh), (x.shape[2], kw, sw)):
+        out, before, padded = conv_geometry(size, k, s, 1, padding)
+        starts = np.arange(out) * s - before
+        counts.append(np.minimum(starts + k, size) - np.maximum(starts, 0))  # positions inside the input
+        pads.append([before, padded - size - before])
+        outs.append(out)
+    count = (counts[0][:, None] * counts[1][None, :]).astype(np.float64)[None, :, :, None]  # [1, oh, ow, 1]
+    ones = tf.ones([kh, kw, x.shape[-1], 1], x.dtype)
+    x = tf.pad(x, [[0, 0]] + pads + [[0, 0]])
+    if sh == sw:
+        sums = depthwise_conv2d(x, ones, (sh, sw), "VALID")
+    else:
+        sums = depthwise_conv2d(x, ones, (1, 1), "VALID")[:, : (outs[0] - 1) * sh + 1: sh, : (outs[1] - 1) * sw + 1: sw]
+    return sums * tf.constant(1.0 / count, x.dtype)

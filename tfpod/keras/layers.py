@@ -11,6 +11,8 @@ trace, `tfpod.keras.support`, names it if it still uses an unsupported kernel).
   LayerNormalization   its fused kernel: Keras's unfused form
   DepthwiseConv1D/2D,  the two gradient kernels of DepthwiseConv2dNative: the forward
   SeparableConv1D/2D   kernel with `tfpod.fused.depthwise_conv2d`'s gradient
+  AveragePooling1D/2D  AvgPool's gradient kernel: `tfpod.fused.avg_pool2d` (a depthwise
+                       sum with that function's gradient, divided by the window's count)
   Embedding            with its table's rows split over a mesh axis (DTensor's gather
                        needs whole rows): a one-hot matmul; Model Garden's
                        OnDeviceEmbedding is switched to its own one-hot mode
@@ -87,6 +89,37 @@ class SeparableConv1D(tf_keras.layers.SeparableConv1D):
                                pointwise=self.pointwise_kernel, one_d=True)
 
 
+def _avg_pool_call(layer, inputs, one_d=False):
+    """The average pooling of a Keras pooling layer through `fused.avg_pool2d`."""
+    first = layer.data_format == "channels_first"
+    x, pool, strides = inputs, tuple(layer.pool_size), tuple(layer.strides)
+    if one_d:  # [batch, steps, channels] -> [batch, steps, 1, channels]
+        x = tf.expand_dims(x, 3 if first else 2)
+        pool, strides = pool + (1,), strides + (1,)
+    if first:
+        x = tf.transpose(x, [0, 2, 3, 1])
+    y = fused.avg_pool2d(x, pool, strides, layer.padding)
+    if first:
+        y = tf.transpose(y, [0, 3, 1, 2])
+    return tf.squeeze(y, [3 if first else 2]) if one_d else y
+
+
+@tf_keras.saving.register_keras_serializable(package="tfpod")
+class AveragePooling2D(tf_keras.layers.AveragePooling2D):
+    """Keras's AveragePooling2D with `fused.avg_pool2d` (a gradient DTensor can lay out)."""
+
+    def call(self, inputs):
+        return _avg_pool_call(self, inputs)
+
+
+@tf_keras.saving.register_keras_serializable(package="tfpod")
+class AveragePooling1D(tf_keras.layers.AveragePooling1D):
+    """Keras's AveragePooling1D with `fused.avg_pool2d`."""
+
+    def call(self, inputs):
+        return _avg_pool_call(self, inputs, one_d=True)
+
+
 @tf_keras.saving.register_keras_serializable(package="tfpod")
 class OneHotEmbedding(tf_keras.layers.Embedding):
     """Keras's Embedding as a one-hot matmul, for a table whose vocab rows are split over a mesh axis."""
@@ -104,6 +137,8 @@ STAND_INS = {
     tf_keras.layers.DepthwiseConv1D: DepthwiseConv1D,
     tf_keras.layers.SeparableConv2D: SeparableConv2D,
     tf_keras.layers.SeparableConv1D: SeparableConv1D,
+    tf_keras.layers.AveragePooling2D: AveragePooling2D,
+    tf_keras.layers.AveragePooling1D: AveragePooling1D,
 }
 
 

@@ -44,6 +44,10 @@ UNSUPPORTED: dict[str, str] = {
                  "reversed indices (tf.gather(x, tf.range(n - 1, -1, -1), axis=...)), or build the recurrent "
                  "layers with unroll=True",
     "ReverseSequence": "tf.reverse_sequence: reverse with a gather of per-row indices",
+    "AvgPoolGrad": "the gradient of tf.nn.avg_pool2d called directly (tfpod swaps Keras's AveragePooling1D/2D "
+                   "layers itself): call tfpod.fused.avg_pool2d instead",
+    "AvgPool3DGrad": "the gradient of 3-D average pooling (AveragePooling3D, tf.nn.avg_pool3d): average over a "
+                     "reshape (non-overlapping windows) or pool each depth slice with tfpod.fused.avg_pool2d",
     "DepthwiseConv2dNativeBackpropFilter": _DEPTHWISE,
     "DepthwiseConv2dNativeBackpropInput": _DEPTHWISE,
     **{op: _BATCH_NORM for op in ("FusedBatchNorm", "FusedBatchNormV2", "FusedBatchNormV3", "FusedBatchNormGrad",
