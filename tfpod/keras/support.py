@@ -46,8 +46,9 @@ UNSUPPORTED: dict[str, str] = {
     "ReverseSequence": "tf.reverse_sequence: reverse with a gather of per-row indices",
     "AvgPoolGrad": "the gradient of tf.nn.avg_pool2d called directly (tfpod swaps Keras's AveragePooling1D/2D "
                    "layers itself): call tfpod.fused.avg_pool2d instead",
-    "AvgPool3DGrad": "the gradient of 3-D average pooling (AveragePooling3D, tf.nn.avg_pool3d): average over a "
-                     "reshape (non-overlapping windows) or pool each depth slice with tfpod.fused.avg_pool2d",
+    "AvgPool3DGrad": "the gradient of 3-D average pooling (AveragePooling3D, tf.nn.avg_pool3d): for windows that "
+                     "do not overlap, reshape each spatial axis into (windows, window size) and tf.reduce_mean over "
+                     "the window sizes",
     "DepthwiseConv2dNativeBackpropFilter": _DEPTHWISE,
     "DepthwiseConv2dNativeBackpropInput": _DEPTHWISE,
     **{op: _BATCH_NORM for op in ("FusedBatchNorm", "FusedBatchNormV2", "FusedBatchNormV3", "FusedBatchNormGrad",
