@@ -80,9 +80,11 @@ class Subclassed(tf_keras.Model):
         return self.head(x)
 
 
-def compile_(model, optimizer="adam", steps_per_execution=1, metrics=("accuracy",)):
+def compile_(model, optimizer="adam", steps_per_execution=1, metrics=("accuracy",), plain=False):
+    """Compiles with the tests' loss; a `plain` (unsharded reference) model runs eagerly: the same
+    train step op by op, without tracing it (a third of a test's time went to the reference's trace)."""
     model.compile(optimizer=optimizer, steps_per_execution=steps_per_execution, metrics=list(metrics),
-                  loss=tf_keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+                  loss=tf_keras.losses.SparseCategoricalCrossentropy(from_logits=True), run_eagerly=plain)
 
 
 def assert_close(a, b, rtol=1e-4):
@@ -120,7 +122,7 @@ def test_functional_fit_evaluate_predict_match_unsharded(mesh42):
         np.testing.assert_array_equal(a, b)
 
     compile_(model, "adam", steps_per_execution=4)  # one host call per epoch of 4 steps
-    compile_(plain, "adam")
+    compile_(plain, "adam", plain=True)
     assert type(model.get_layer("bn")) is fused.BatchNormalization  # DTensor cannot run the fused kernel
     train, val = batches(x, y, drop_remainder=True), batches(vx, vy, drop_remainder=True)
     sharded = model.fit(tk.to_mesh(train, mesh42), epochs=2, verbose=0)
@@ -149,7 +151,7 @@ def test_checkpoint_resume_early_stopping_and_tensorboard(mesh42, tmp_path):
 
     tf_keras.utils.set_random_seed(0)
     plain = functional()
-    compile_(plain, tf_keras.optimizers.Adam(1e-3))
+    compile_(plain, tf_keras.optimizers.Adam(1e-3), plain=True)
     uninterrupted = plain.fit(train, epochs=4, verbose=0).history["loss"]
 
     model_dir = str(tmp_path / "run")
@@ -202,7 +204,8 @@ def test_subclassed_fit_matches_unsharded_with_legacy_optimizer():
     # metric object is re-created with its state on the mesh.
     top2 = lambda: tf_keras.metrics.SparseTopKCategoricalAccuracy(2, name="top2")
     compile_(model, tf_keras.optimizers.legacy.SGD(0.1, momentum=0.9), metrics=["accuracy", top2()])
-    compile_(plain, tf_keras.optimizers.legacy.SGD(0.1, momentum=0.9), metrics=["accuracy", top2()])
+    compile_(plain, tf_keras.optimizers.legacy.SGD(0.1, momentum=0.9), metrics=["accuracy", top2()],
+             plain=True)
     train, val = batches(x, y, drop_remainder=True), batches(*data(64, seed=1), drop_remainder=True)
     sharded = model.fit(tk.to_mesh(train, mesh), validation_data=tk.to_mesh(val, mesh), epochs=2, verbose=0)
     reference = plain.fit(train, validation_data=val, epochs=2, verbose=0)
@@ -315,7 +318,7 @@ def test_embeddings_and_depthwise_convolutions_train_like_unsharded(mesh42, kind
     with tfpod.sharding(mesh42, rules=rules):
         model = build()
     model.set_weights(plain.get_weights())
-    compile_(plain, optimizer())
+    compile_(plain, optimizer(), plain=True)
     compile_(model, optimizer())
     swapped = {layer.name: type(layer).__module__ for layer in model.layers}
     assert all(swapped[n] == "tfpod.keras.layers" for n in swapped if n in ("sep1d", "dw1d", "dw2d", "sep2d"))
@@ -368,7 +371,8 @@ def test_mobilenet_v2_trains_sharded():
     start = plain.get_weights()
     model.set_weights(start)
     for m in (plain, model):
-        m.compile(optimizer=tf_keras.optimizers.SGD(0.1), loss=tf_keras.losses.SparseCategoricalCrossentropy())
+        m.compile(optimizer=tf_keras.optimizers.SGD(0.1), loss=tf_keras.losses.SparseCategoricalCrossentropy(),
+                  run_eagerly=m is plain)  # the reference op by op: no trace of it
     train = tf.data.Dataset.from_tensor_slices((x, y)).batch(16)
     sharded = model.fit(tk.to_mesh(train, mesh), epochs=1, verbose=0).history["loss"]
     reference = plain.fit(train, epochs=1, verbose=0).history["loss"]
