@@ -9,17 +9,22 @@ TensorFlow's multi-client runtime installs a SIGTERM handler of its own in C++ w
 starts (its coordination service's preemption notifier), which took SIGTERM away from
 Python: hosts of a multi-host job ignored the notice. `reinstall` (called by
 runtime.initialize once the runtime is up) puts this handler back.
+
+At exit, SIGTERM is ignored: Python's finalization puts the default action back for
+signals with a Python handler, so a repeated notice arriving while a preempted (saved)
+process shut down killed it, and its launcher reported a host killed by SIGTERM.
 """
 
 from __future__ import annotations
 
+import atexit
 import logging
 import signal
 from typing import Callable
 
 log = logging.getLogger("tfpod")
 
-_STATE = {"received": False, "installed": False}
+_STATE = {"received": False, "installed": False, "exit_hook": False}
 
 
 def _on_sigterm(signum, frame) -> None:
@@ -40,7 +45,16 @@ def install():
         log.debug("SIGTERM handler not installed (not the main thread)")
         return None
     _STATE["installed"] = True
+    if not _STATE["exit_hook"]:
+        atexit.register(_ignore_at_exit)
+        _STATE["exit_hook"] = True
     return previous
+
+
+def _ignore_at_exit() -> None:
+    """SIGTERM ignored from here on (finalization leaves an ignored signal alone; see the module docstring)."""
+    if _STATE["installed"]:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
 
 def uninstall(previous) -> None:
