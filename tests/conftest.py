@@ -8,6 +8,7 @@ Markers: `unit` marks tests that start no subprocess and train on no multi-devic
 (`pytest -n 2 -m unit` runs them in under 3 minutes); the README's test command runs all.
 """
 
+import gc
 import os
 import subprocess
 import sys
@@ -22,6 +23,8 @@ os.environ.setdefault("TFPOD_CPU_DEVICES", "8")
 os.environ.setdefault("TFPOD_GRAPH_OPTIMIZATIONS", "0")
 
 import tfpod  # noqa: E402,F401  (selects tf_keras before TensorFlow loads)
+
+gc.set_threshold(*tfpod.GC_THRESHOLDS)  # as main.py: TensorFlow's import walked less often
 
 
 def pytest_configure(config):

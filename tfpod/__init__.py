@@ -32,6 +32,10 @@ if USER_TF_LOG_LEVEL is None:
 
 __version__ = "0.1.0"
 
+# Python's garbage collector thresholds for a process that imports TensorFlow and traces
+# steps (runtime.settle_garbage_collector; main.py sets them before TensorFlow loads).
+GC_THRESHOLDS = (50_000, 20, 20)
+
 
 class UserError(Exception):
     """Bad input or configuration: the message says what, where, and how to fix it.

@@ -9,12 +9,19 @@ Also installed as the `tfpod` console script. A UserError is printed as one line
 
 from __future__ import annotations
 
+import gc
 import sys
 
 import tfpod  # noqa: F401  (selects tf_keras before TensorFlow loads)
-from absl import app, flags
 
-from tfpod import UserError, api, console, goodput, preemption
+# Importing TensorFlow makes some 360,000 lasting objects, which Python's default collector
+# walks again and again: with runtime.settle_garbage_collector's thresholds from the first
+# import, a process starts about 0.7 s sooner (of 5 s).
+gc.set_threshold(*tfpod.GC_THRESHOLDS)
+
+from absl import app, flags  # noqa: E402
+
+from tfpod import UserError, api, console, goodput, preemption  # noqa: E402
 
 FLAGS = flags.FLAGS
 

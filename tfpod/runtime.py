@@ -19,7 +19,7 @@ import numpy as np
 import tensorflow as tf
 from tensorflow.experimental import dtensor
 
-from tfpod import UserError, compat, preemption
+from tfpod import GC_THRESHOLDS, UserError, compat, preemption
 
 log = logging.getLogger("tfpod")
 
@@ -188,9 +188,6 @@ def initialize(cpu_devices: int | None = None, device_type: str | None = None) -
     )
     return _INFO
 
-
-# Python's young-generation threshold after start-up (its default is 700 allocations).
-GC_THRESHOLDS = (50_000, 20, 20)
 
 
 def settle_garbage_collector() -> None:
