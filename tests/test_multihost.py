@@ -9,7 +9,7 @@ import time
 
 import numpy as np
 
-from conftest import launch_command, main_command, make_run
+from conftest import device_mesh, launch_command, main_command, make_run
 from tfpod.api import run
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -68,7 +68,7 @@ def test_two_hosts_train_one_processs_losses_and_write_one_background_checkpoint
     part of a checkpoint and host 0 merges it; the checkpoint restores in one process on
     another mesh and preset with identical values; relaunched from it as a pipeline
     (stage:2,data:2,model:2, each host holding part of every stage, 2 microbatches, 1f1b), the
-    run repeats one unpipelined process's losses (this one's 8 devices) step by step."""
+    run repeats the losses of one device (one of this process's) step by step."""
     from test_reliability import assert_restores_identically
     from tfpod import checkpoint
     from tfpod.config import build_config, build_task_configs, parse_config
@@ -105,7 +105,7 @@ def test_two_hosts_train_one_processs_losses_and_write_one_background_checkpoint
     assert f"resumed from {d}/checkpoints/ckpt-4" in again.stdout + again.stderr
     assert "stage:2,data:2,model:2" in again.stdout and "2 pipeline stages (1f1b)" in again.stdout
     run(["gin/lm_tiny.gin"], SYNTHETIC + ["gpt.num_layers=2", "train.steps=6"], str(tmp_path / "one"),
-        mesh_spec="data:8")
+        mesh=device_mesh())
     reference, resumed = logged_losses(tmp_path / "one"), logged_losses(d)
     assert sorted(resumed) == list(range(1, 7))
     np.testing.assert_allclose([resumed[s] for s in range(1, 7)], [reference[s] for s in range(1, 7)], rtol=1e-5)

@@ -15,7 +15,7 @@ import shutil
 import numpy as np
 import pytest
 
-from conftest import make_run
+from conftest import device_mesh, make_run
 from tfpod import UserError, optimizers
 from tfpod.api import run
 from tfpod.controller import Controller, TrainConfig
@@ -96,7 +96,7 @@ def test_checkpoints_move_between_pipelined_and_unpipelined_meshes(tmp_path, ref
 def test_moe_pipelines_with_its_aux_loss(tmp_path):
     config = moe.MoEConfig(vocab_size=256, seq_len=32, num_layers=2, embed_dim=64, num_heads=8, mlp_dim=128,
                            num_experts=4, expert_mlp_dim=64, moe_every=2, group_size=16)  # stage 1's block is the MoE
-    plain = make(tmp_path / "plain", "data:8", task=moe.TASK, config=config, preset="data", steps=2)
+    plain = make(tmp_path / "plain", device_mesh(), task=moe.TASK, config=config, preset="data", steps=2)  # 1 device
     piped = make(tmp_path / "piped", "stage:2,data:4", 2, "1f1b", task=moe.TASK, config=config, preset="data", steps=2)
     assert_same_losses(piped.train()["losses"], np.array(plain.train()["losses"]))
 
@@ -107,7 +107,7 @@ def test_bert_pipelines_with_both_pretraining_losses(tmp_path):
     config = bert.BertConfig(vocab_size=128, seq_len=32, max_predictions=5, num_layers=2, hidden_size=64,
                              num_heads=4, intermediate_size=128, dropout=0.0, attention_dropout=0.0,
                              next_sentence=True)
-    plain = make(tmp_path / "plain", "data:8", task=bert.TASK, config=config, steps=2)
+    plain = make(tmp_path / "plain", device_mesh(), task=bert.TASK, config=config, steps=2)  # on 1 device
     piped = make(tmp_path / "piped", "stage:2,data:2,model:2", 2, "1f1b", task=bert.TASK, config=config, steps=2)
     assert_same_losses(piped.train()["losses"], np.array(plain.train()["losses"]))
     assert "bert/encoder/transformer/layer_1/output/kernel" in piped.trainer.layout_report()
