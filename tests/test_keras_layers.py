@@ -42,6 +42,8 @@ LAYERS = {
     "ZeroPadding2D": (IMG, lambda: L.ZeroPadding2D(), None),
     "BatchNormalization": (IMG, lambda: L.BatchNormalization(), None),
     "LayerNormalization": (SEQ, lambda: L.LayerNormalization(), None),
+    "Normalization": (IMG, lambda: L.Normalization(), None),  # EfficientNet's first layer
+    "Sequential in a functional model": (IMG, "nested_sequential", None),  # ConvNeXt's stem
     "GroupNormalization": (IMG, lambda: L.GroupNormalization(groups=3), None),
     "MultiHeadAttention": (SEQ, "attention", None),
     "PReLU": (SEQ, lambda: L.PReLU(), None),
@@ -64,6 +66,8 @@ def layer_output(shape, make, inputs):
                 "conv_then_avg_pool_3d": lambda: L.AveragePooling3D(2)}[make]()
         conv = {SEQ: L.Conv1D, IMG: L.Conv2D, VOL: L.Conv3D}[shape](4, 1)
         return pool(conv(inputs))
+    if make == "nested_sequential":  # built by the functional model around it, as ConvNeXt's stem
+        return tf_keras.Sequential([L.Conv2D(4, 2, strides=2), L.LayerNormalization(epsilon=1e-6)])(inputs)
     if make == "mg_embedding":  # Model Garden's (BertEncoderV2's word embedding)
         from official.nlp.modeling.layers import OnDeviceEmbedding
 

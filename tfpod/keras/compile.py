@@ -31,8 +31,10 @@ def prepare_compile(model, layout_map: KerasSharding, optimizer, steps_per_execu
     if off_mesh:
         raise UserError(
             f"weight {off_mesh[0]} of model {model.name!r} is not on the mesh (a mixed-precision variable, "
-            "or one created outside the model's layers or outside tfpod.sharding): use a float32 policy and "
-            "create every variable in the model's layers inside `with tfpod.sharding(...)`"
+            "one created outside the model's layers or outside tfpod.sharding, or a subclassed model called "
+            "on tf_keras.Input tensors without a functional model around it): use a float32 policy, create "
+            "every variable in the model's layers inside `with tfpod.sharding(...)`, and build a subclassed "
+            "model by calling it on a batch"
         )
     layout_map.check_rules_used()
     layers.use_mesh_layers(model)

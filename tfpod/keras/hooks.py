@@ -8,7 +8,10 @@ calls tf_keras's own method for every other model:
                       creation order
   Model.compile       checks and conversions (tfpod.keras.compile)
   Model.__call__      an unbuilt subclassed model: built lazily with the batch's shapes,
-                      placed, then called on the mesh; Model.build calls it on zeros
+                      placed, then called on the mesh; Model.build calls it on zeros;
+                      a nested model called on tf_keras.Input tensors (a Sequential in a
+                      functional model, as ConvNeXt's stem): Keras's own functional call
+  Normalization()     made under tfpod.sharding: a tfpod.keras.layers.Normalization
   Model.get_weights / set_weights   gathered to / scattered from host arrays
   Model.evaluate / predict          one step per host call
   Model.fit / evaluate / predict    DTensor's "no layout propagation" as one line
@@ -27,7 +30,7 @@ import tf_keras
 from tensorflow.experimental import dtensor
 
 from tfpod import UserError, compat
-from tfpod.keras import compile as compile_lib, support
+from tfpod.keras import compile as compile_lib, layers, support
 from tfpod.keras.layout_map import KerasSharding, get_values, set_values
 
 _ONE_STEP = weakref.WeakKeyDictionary()  # model -> {"predict_function"/"test_function": one-step function}
@@ -65,6 +68,8 @@ def install() -> None:
         setattr(model, method, _translating(getattr(model, method)))
     model.__call__ = _first_call(model.__call__)
     model.build = _building(model.build)
+    normalization = tf_keras.layers.Normalization
+    normalization.__init__ = _normalization_init(normalization.__init__)
     for cls in (tf_keras.optimizers.Optimizer, compat.legacy_optimizer_class()):
         cls.apply_gradients = _dense_gradients(cls.apply_gradients)
 
@@ -209,6 +214,9 @@ def _first_call(call_fn):
         layout_map = _sharding_of(self)
         if self.built or layout_map is None:
             return call_fn(self, *args, **kwargs)
+        if _symbolic(args, kwargs):  # nested in a functional model, which places the variables
+            with compat.layout_map_lib().layout_map_scope(layout_map):  # (tf_keras's own call drops Inputs)
+                return tf_keras.layers.Layer.__call__(self, *args, **kwargs)
         args, kwargs = tf.nest.map_structure(lambda x: _on_mesh(x, layout_map.mesh, self.name), (args, kwargs))
         if args:
             support.record_input_spec(self, args[0])  # for compile's trace (tfpod.keras.support)
@@ -218,6 +226,21 @@ def _first_call(call_fn):
             return call_fn(self, *args, **kwargs)
 
     return __call__
+
+
+def _normalization_init(init_fn):
+    """Normalization made under tfpod.sharding: a tfpod.keras.layers.Normalization (Keras's build
+    reads its variables before they hold values). Swapped when made, since Keras takes the
+    `call` of the first (symbolic) call before it builds the layer."""
+
+    @functools.wraps(init_fn)
+    def __init__(self, *args, **kwargs):
+        init_fn(self, *args, **kwargs)
+        if type(self) is tf_keras.layers.Normalization and isinstance(
+                compat.layout_map_lib().get_current_layout_map(), KerasSharding):
+            self.__class__ = layers.Normalization
+
+    return __init__
 
 
 def _building(build_fn):
@@ -270,6 +293,11 @@ def _build_lazily(model, layout_map: KerasSharding, args, kwargs) -> None:
     with compat.layout_map_lib().layout_map_scope(layout_map):
         tf_keras.layers.Layer.__call__(model, tf.nest.map_structure(symbolic, inputs), *rest, **rest_kwargs)
     compat.place_model_variables(model, layout_map)
+
+
+def _symbolic(args, kwargs) -> bool:
+    """Whether a call's inputs are tf_keras.Input tensors (a model nested in a functional one)."""
+    return any(type(x).__name__ == "KerasTensor" for x in tf.nest.flatten((args, kwargs)))
 
 
 def _on_mesh(x, mesh: dtensor.Mesh, name: str):

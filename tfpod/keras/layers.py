@@ -13,6 +13,9 @@ trace, `tfpod.keras.support`, names it if it still uses an unsupported kernel).
   SeparableConv1D/2D   kernel with `tfpod.fused.depthwise_conv2d`'s gradient
   AveragePooling1D/2D  AvgPool's gradient kernel: `tfpod.fused.avg_pool2d` (a depthwise
                        sum with that function's gradient, divided by the window's count)
+  Normalization        its mean and variance read into constants when built (the
+                       variables are not initialized then): read in each call;
+                       swapped when made under tfpod.sharding, not at compile
   Embedding            with its table's rows split over a mesh axis (DTensor's gather
                        needs whole rows): a one-hot matmul; Model Garden's
                        OnDeviceEmbedding is switched to its own one-hot mode
@@ -118,6 +121,29 @@ class AveragePooling1D(tf_keras.layers.AveragePooling1D):
 
     def call(self, inputs):
         return _avg_pool_call(self, inputs, one_d=True)
+
+
+@tf_keras.saving.register_keras_serializable(package="tfpod")
+class Normalization(tf_keras.layers.Normalization):
+    """Keras's Normalization reading its mean and variance variables in each call.
+
+    Keras reads them once, into constants, when the layer is built or adapted
+    (`finalize_state`): built under tfpod.sharding, where the variables are not yet
+    initialized, that read failed ("Input to reshape is a tensor with 0 values"; every
+    EfficientNet starts with this layer), and a constant taken there would not be on the
+    mesh. Swapped in when the layer is made under tfpod.sharding (tfpod.keras.hooks)."""
+
+    def finalize_state(self):
+        pass  # nothing to cache: `call` reads the variables
+
+    def call(self, inputs):
+        if self.input_mean is not None:  # given as numbers: Keras's constants
+            return super().call(inputs)
+        x = tf.cast(self._standardize_inputs(inputs), self.compute_dtype)
+        mean = tf.cast(tf.reshape(self.adapt_mean, self._broadcast_shape), self.compute_dtype)
+        scale = tf.maximum(tf.sqrt(tf.cast(tf.reshape(self.adapt_variance, self._broadcast_shape),
+                                           self.compute_dtype)), tf_keras.backend.epsilon())
+        return mean + x * scale if self.invert else (x - mean) / scale
 
 
 @tf_keras.saving.register_keras_serializable(package="tfpod")
