@@ -149,8 +149,13 @@ def initialize(cpu_devices: int | None = None, device_type: str | None = None) -
             )
         return _INFO
     if graph_optimizations == "0":
-        # Grappler off: functions compile faster and run slower; the same results. The test suite runs so (conftest.py) apart from its production smoke run.
+        # Grappler off: functions compile faster and run slower; the same results. The test suite runs so
+        # (conftest.py) apart from its production smoke run. Also the MLIR bridge (TF -> XLA), which no
+        # step compiles with here but which walks every function's graph to find that out: 7% less CPU
+        # for an in-process lm_tiny run (perf: MlirBridgePass::GetPassState).
         tf.config.optimizer.set_experimental_options({"disable_meta_optimizer": True})
+        if device_type != "TPU":
+            tf.config.experimental.disable_mlir_bridge()
     if device_type == "CPU":
         physical = tf.config.list_physical_devices("CPU")
         if cpu_devices:
