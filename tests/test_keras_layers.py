@@ -27,6 +27,8 @@ LAYERS = {
     "Conv1D": (SEQ, lambda: L.Conv1D(4, 3, padding="causal"), None),
     "Conv2D": (IMG, lambda: L.Conv2D(4, 3, strides=2, padding="same"), None),
     "Conv3D": (VOL, lambda: L.Conv3D(2, 3, padding="same"), None),
+    "Conv2D(groups=3)": (IMG, lambda: L.Conv2D(3, 3, padding="same", groups=3), None),  # ConvNeXt's, depthwise
+    "Conv2D(groups=3, 6 filters)": (IMG, lambda: L.Conv2D(6, 3, strides=2, groups=3), None),
     "Conv2DTranspose": (IMG, lambda: L.Conv2DTranspose(4, 3, strides=2, padding="same"), None),
     "DepthwiseConv2D": (IMG, lambda: L.DepthwiseConv2D(3, strides=2, padding="same"), None),
     "SeparableConv2D": (IMG, lambda: L.SeparableConv2D(4, 3, padding="same"), None),
@@ -43,6 +45,7 @@ LAYERS = {
     "BatchNormalization": (IMG, lambda: L.BatchNormalization(), None),
     "LayerNormalization": (SEQ, lambda: L.LayerNormalization(), None),
     "Normalization": (IMG, lambda: L.Normalization(), None),  # EfficientNet's first layer
+    "Normalization(mean, variance)": (IMG, lambda: L.Normalization(mean=[.4, .5, .6], variance=[.2, .3, .4]), None),
     "Sequential in a functional model": (IMG, "nested_sequential", None),  # ConvNeXt's stem
     "GroupNormalization": (IMG, lambda: L.GroupNormalization(groups=3), None),
     "MultiHeadAttention": (SEQ, "attention", None),

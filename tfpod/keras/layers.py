@@ -11,6 +11,8 @@ trace, `tfpod.keras.support`, names it if it still uses an unsupported kernel).
   LayerNormalization   its fused kernel: Keras's unfused form
   DepthwiseConv1D/2D,  the two gradient kernels of DepthwiseConv2dNative: the forward
   SeparableConv1D/2D   kernel with `tfpod.fused.depthwise_conv2d`'s gradient
+  Conv2D(groups > 1)   TensorFlow's CPU kernel has no grouped form (Keras uses XLA there):
+                       a depthwise convolution, or one convolution per group
   AveragePooling1D/2D  AvgPool's gradient kernel: `tfpod.fused.avg_pool2d` (a depthwise
                        sum with that function's gradient, divided by the window's count)
   Normalization        its mean and variance read into constants when built (the
@@ -26,6 +28,7 @@ lay out the scatter of a sparse update): see `tfpod.keras.compile.mesh_optimizer
 
 from __future__ import annotations
 
+import numpy as np
 import tensorflow as tf
 import tf_keras
 
@@ -92,6 +95,30 @@ class SeparableConv1D(tf_keras.layers.SeparableConv1D):
                                pointwise=self.pointwise_kernel, one_d=True)
 
 
+@tf_keras.saving.register_keras_serializable(package="tfpod")
+class GroupedConv2D(tf_keras.layers.Conv2D):
+    """Keras's Conv2D with groups > 1 (ConvNeXt's 7x7 convolutions): Keras runs it through
+    XLA on a CPU, which a DTensor step inlines into TensorFlow's CPU kernel, which has no
+    grouped form ("Fused conv implementation does not support grouped convolutions").
+    One group per channel is `fused.depthwise_conv2d`; other groupings convolve each
+    group's channels and concatenate."""
+
+    def call(self, inputs):
+        channels = inputs.shape[1 if self.data_format == "channels_first" else -1]
+        if self.groups == channels == self.filters:  # kernel [h, w, 1, C] -> depthwise [h, w, C, 1]
+            return _depthwise_call(self, inputs, tf.transpose(self.kernel, [0, 1, 3, 2]), self.strides,
+                                   self.dilation_rate)
+        first = self.data_format == "channels_first"
+        x = tf.transpose(inputs, [0, 2, 3, 1]) if first else inputs
+        parts = zip(tf.split(x, self.groups, axis=-1), tf.split(self.kernel, self.groups, axis=-1))
+        y = tf.concat([tf.nn.conv2d(xi, ki, self.strides, self.padding.upper(), dilations=self.dilation_rate)
+                       for xi, ki in parts], axis=-1)
+        if self.use_bias:
+            y = tf.nn.bias_add(y, self.bias)
+        y = tf.transpose(y, [0, 3, 1, 2]) if first else y
+        return self.activation(y) if self.activation is not None else y
+
+
 def _avg_pool_call(layer, inputs, one_d=False):
     """The average pooling of a Keras pooling layer through `fused.avg_pool2d`."""
     first = layer.data_format == "channels_first"
@@ -131,18 +158,22 @@ class Normalization(tf_keras.layers.Normalization):
     (`finalize_state`): built under tfpod.sharding, where the variables are not yet
     initialized, that read failed ("Input to reshape is a tensor with 0 values"; every
     EfficientNet starts with this layer), and a constant taken there would not be on the
-    mesh. Swapped in when the layer is made under tfpod.sharding (tfpod.keras.hooks)."""
+    mesh (nor are the constants Keras makes of a mean and variance given as numbers, as
+    ConvNeXt's: "got a regular tensor ... but was expecting a DTensor" at the first step). Swapped in when the layer is made under tfpod.sharding (tfpod.keras.hooks)."""
 
     def finalize_state(self):
         pass  # nothing to cache: `call` reads the variables
 
     def call(self, inputs):
-        if self.input_mean is not None:  # given as numbers: Keras's constants
-            return super().call(inputs)
         x = tf.cast(self._standardize_inputs(inputs), self.compute_dtype)
-        mean = tf.cast(tf.reshape(self.adapt_mean, self._broadcast_shape), self.compute_dtype)
-        scale = tf.maximum(tf.sqrt(tf.cast(tf.reshape(self.adapt_variance, self._broadcast_shape),
-                                           self.compute_dtype)), tf_keras.backend.epsilon())
+        if self.input_mean is not None:  # given as numbers (ConvNeXt's): constants made in the step, not
+            kept = [self._broadcast_shape[d] for d in self._keep_axis]  # captured ones off the mesh
+            mean, variance = (np.reshape(v * np.ones(kept), self._broadcast_shape)
+                              for v in (self.input_mean, self.input_variance))
+        else:
+            mean, variance = (tf.reshape(v, self._broadcast_shape) for v in (self.adapt_mean, self.adapt_variance))
+        mean, variance = (tf.cast(v, self.compute_dtype) for v in (mean, variance))
+        scale = tf.maximum(tf.sqrt(variance), tf_keras.backend.epsilon())
         return mean + x * scale if self.invert else (x - mean) / scale
 
 
@@ -177,6 +208,9 @@ def use_mesh_layers(model: tf_keras.layers.Layer) -> list[str]:
         stand_in = STAND_INS.get(type(layer))
         if stand_in is not None:
             layer.__class__ = stand_in
+            swapped.append(layer.name)
+        elif type(layer) is tf_keras.layers.Conv2D and layer.groups > 1:
+            layer.__class__ = GroupedConv2D
             swapped.append(layer.name)
         elif type(layer) is tf_keras.layers.Embedding and partitioning.rows_split(layer.embeddings):
             layer.__class__ = OneHotEmbedding
