@@ -1,4 +1,4 @@
-"""Which common tf_keras layers train sharded (the README's table "What trains sharded").
+"""Which common tf_keras layers train sharded (docs/keras.md's table).
 
 Each layer sits in a small functional model (input -> layer -> flatten -> dense; average
 pooling after a 1x1 convolution, so that its gradient runs) built

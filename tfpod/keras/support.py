@@ -175,6 +175,6 @@ def translate(error: Exception, model_name: str) -> UserError | None:
         return None
     op = match.group(1)
     fix = UNSUPPORTED.get(op, "replace the layer or op that uses it, or train this model without tfpod.sharding "
-                              "(README: 'What trains sharded')")
+                              "(docs/keras.md lists what trains sharded)")
     return UserError(f"model {model_name!r}: the op {op} in its train step cannot be laid out by DTensor "
                      f"(found when the step compiled): {fix}")
