@@ -332,10 +332,11 @@ def no_autograph():
     return ag_ctx.ControlStatusCtx(status=ag_ctx.Status.DISABLED)
 
 
-def tf_keras():
-    import tf_keras as module
+def tf_keras(private: str = ""):
+    """tf_keras, or its private module tf_keras.src.<private> (e.g. "engine.training")."""
+    import importlib
 
-    return module
+    return importlib.import_module(f"tf_keras.src.{private}" if private else "tf_keras")
 
 
 # ---------------------------------------------------------------------------

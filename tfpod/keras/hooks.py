@@ -13,7 +13,7 @@ calls tf_keras's own method for every other model:
                       functional model, as ConvNeXt's stem): Keras's own functional call
   Normalization()     made under tfpod.sharding: a tfpod.keras.layers.Normalization
   Model.get_weights / set_weights   gathered to / scattered from host arrays
-  Model.evaluate / predict          one step per host call
+  Model.evaluate / predict          one step per host call; predict's outputs gathered
   Model.fit / evaluate / predict    DTensor's "no layout propagation" as one line
   Optimizer.apply_gradients         dense gradients for an optimizer on the mesh
 """
@@ -63,6 +63,8 @@ def install() -> None:
     #   'while_cond' because a different function with the same name already exists",
     #   about 1 run in 12 here), so only training runs steps_per_execution steps per call.
     model.predict = _one_step(model.predict, "predict_function")
+    training = compat.tf_keras("engine.training")  # predict joins its batches' outputs with this
+    training.potentially_ragged_concat = _gathered(training.potentially_ragged_concat)
     model.evaluate = _one_step(model.evaluate, "test_function")
     for method in ("fit", "evaluate", "predict"):
         setattr(model, method, _translating(getattr(model, method)))
@@ -169,6 +171,23 @@ def _one_step(method, attr: str):
         finally:
             spe.assign(value)
             setattr(self, attr, keras_function)
+
+    return wrapper
+
+
+def _gathered(concat):
+    """tf_keras's join of predict's batch outputs, gathered when it is a DTensor split over a
+    mesh axis: a single batch's output came back as it was, and Keras's conversion to NumPy
+    then failed ("Trying to copy a non-single-device and non-replicated DTensor")."""
+
+    @functools.wraps(concat)
+    def wrapper(tensors):
+        out = concat(tensors)
+        if isinstance(out, tf.Tensor) and dtensor.is_dtensor(out):
+            layout = dtensor.fetch_layout(out)
+            if not layout.is_fully_replicated():
+                out = dtensor.relayout(out, dtensor.Layout.replicated(layout.mesh, layout.rank))
+        return out
 
     return wrapper
 
