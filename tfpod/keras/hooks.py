@@ -324,11 +324,6 @@ def _on_mesh(x, mesh: dtensor.Mesh, name: str):
     if isinstance(x, np.ndarray):
         x = tf.convert_to_tensor(x)
     if not isinstance(x, tf.Tensor):
-        if type(x).__name__ == "KerasTensor":
-            raise UserError(
-                f"model {name!r} is called on a symbolic tf_keras.Input under tfpod.sharding: build a subclassed "
-                "model by calling it on a batch (a tensor or numpy array), or with model.build(input_shape)"
-            )
         return x
     if not tf.executing_eagerly() or dtensor.is_dtensor(x):
         return x
