@@ -46,6 +46,9 @@ LAYERS = {
     "LayerNormalization": (SEQ, lambda: L.LayerNormalization(), None),
     "Normalization": (IMG, lambda: L.Normalization(), None),  # EfficientNet's first layer
     "Normalization(mean, variance)": (IMG, lambda: L.Normalization(mean=[.4, .5, .6], variance=[.2, .3, .4]), None),
+    "Rescaling": (IMG, lambda: L.Rescaling(1 / 255.0, offset=-0.5), None),
+    "Resizing": (IMG, lambda: L.Resizing(6, 6), None),
+    "CenterCrop": (IMG, lambda: L.CenterCrop(6, 6), None),
     "Sequential in a functional model": (IMG, "nested_sequential", None),  # ConvNeXt's stem
     "GroupNormalization": (IMG, lambda: L.GroupNormalization(groups=3), None),
     "MultiHeadAttention": (SEQ, "attention", None),
@@ -170,3 +173,91 @@ def tfpod_value(v) -> np.ndarray:
         return value.numpy()
     layout = dtensor.fetch_layout(value)
     return dtensor.unpack(dtensor.relayout(value, dtensor.Layout.replicated(layout.mesh, layout.rank)))[0].numpy()
+
+
+# Preprocessing layers that cannot train on the mesh: (input shape, dtype, layer, a batch of input)
+HOST_ONLY = {
+    "RandomFlip": ((8, 8, 3), "float32", lambda: L.RandomFlip("horizontal")),
+    "RandomRotation": ((8, 8, 3), "float32", lambda: L.RandomRotation(0.1)),
+    "StringLookup": ((4,), "string", lambda: L.StringLookup(vocabulary=["a", "b", "c"])),
+    "IntegerLookup": ((4,), "int64", lambda: L.IntegerLookup(vocabulary=[1, 2, 3])),
+    "TextVectorization": ((1,), "string", lambda: L.TextVectorization(max_tokens=6, output_sequence_length=4,
+                                                                       vocabulary=["a", "b", "c"])),
+    "Discretization": ((4,), "float32", lambda: L.Discretization(bin_boundaries=[-1.0, 0.0, 1.0])),
+    "CategoryEncoding": ((4,), "int32", lambda: L.CategoryEncoding(num_tokens=5, output_mode="multi_hot")),
+    "Hashing (of integers)": ((4,), "int32", lambda: L.Hashing(num_bins=5)),  # found by its op, AsString
+}
+
+
+def host_batch(shape, dtype, rng):
+    if dtype == "string":
+        words = rng.choice(list("abcd"), (8,) + shape)
+        return np.array([[" ".join(row)] for row in words]) if shape == (1,) else words
+    if dtype.startswith("int"):
+        return rng.randint(0, 5, (8,) + shape).astype(dtype)
+    return rng.randn(8, *shape).astype(dtype)
+
+
+def test_preprocessing_that_cannot_run_on_the_mesh_is_refused_at_compile_with_the_dataset_map_line_that_works():
+    """Lookups, encodings and random augmentation are refused at compile in one line naming the
+    layer; the line's code (the layer re-made, then dataset.map) runs as given and yields what the
+    layer yields."""
+    mesh = device_mesh("data:2")
+    rng = np.random.RandomState(0)
+    failures = []
+    for name, (shape, dtype, make) in HOST_ONLY.items():
+        tf_keras.backend.clear_session()
+        with tfpod.sharding(mesh):
+            inputs = tf_keras.Input(shape, dtype=dtype)
+            hidden = L.Flatten()(tf.cast(make()(inputs), "float32"))
+            model = tf_keras.Model(inputs, L.Dense(3)(hidden))
+        try:
+            model.compile(optimizer="sgd", loss="mse")
+        except UserError as e:
+            message = str(e)
+        else:
+            failures.append(f"{name}: compiled")
+            continue
+        layer = model.layers[1]
+        if f"layer {layer.name!r} ({type(layer).__name__})" not in message or "\n" in message:
+            failures.append(f"{name}: {message}")
+            continue
+        code = message.split("`")[1]  # preprocess = ...; dataset = dataset.map(...)
+        x = host_batch(shape, dtype, rng)
+        scope = {"tf": tf, "tf_keras": tf_keras,
+                 "dataset": tf.data.Dataset.from_tensor_slices((x, np.zeros(8, "float32"))).batch(4)}
+        exec(code, scope)  # the line as the user would paste it
+        got = np.concatenate([batch.numpy() for batch, _ in scope["dataset"]])
+        if got.shape[0] != 8 or (not name.startswith("Random") and not np.array_equal(got, make()(x).numpy())):
+            failures.append(f"{name}: the mapped dataset gives {got.shape} {got[:1]}")
+    assert not failures, failures
+
+
+def test_an_augmentation_sequential_is_moved_whole_and_the_model_on_its_output_trains():
+    """Keras's data-augmentation pattern (a Sequential of Random* layers inside the model) is refused
+    naming the Sequential to move, with Rescaling after it; the model built on the mapped dataset trains."""
+    mesh = device_mesh("data:2")
+    augment = lambda: tf_keras.Sequential([L.RandomFlip("horizontal"), L.RandomRotation(0.1)],  # noqa: E731
+                                          name="data_augmentation")
+    tf_keras.backend.clear_session()
+    with tfpod.sharding(mesh):
+        inputs = tf_keras.Input((8, 8, 3))
+        hidden = L.Conv2D(4, 3)(L.Rescaling(1 / 255.0)(augment()(inputs)))
+        model = tf_keras.Model(inputs, L.Dense(3)(L.Flatten()(hidden)))
+    try:
+        model.compile(optimizer="sgd", loss="mse")
+        raise AssertionError("compiled")
+    except UserError as e:
+        message = str(e)
+    assert "in 'data_augmentation'" in message and "tf_keras.Sequential([tf_keras.Sequential([" in message, message
+    assert "tf_keras.layers.Rescaling(scale=0.00392" in message, message
+    rng = np.random.RandomState(0)
+    scope = {"tf": tf, "tf_keras": tf_keras, "dataset": tf.data.Dataset.from_tensor_slices(
+        (rng.rand(16, 8, 8, 3).astype("float32") * 255, rng.randn(16, 3).astype("float32"))).batch(8)}
+    exec(message.split("`")[1], scope)
+    with tfpod.sharding(mesh):
+        inputs = tf_keras.Input((8, 8, 3))
+        model = tf_keras.Model(inputs, L.Dense(3)(L.Flatten()(L.Conv2D(4, 3)(inputs))))
+    model.compile(optimizer="sgd", loss="mse")
+    history = model.fit(tfpod.input.to_mesh(scope["dataset"], mesh), epochs=1, verbose=0).history
+    assert np.isfinite(history["loss"][0]), history

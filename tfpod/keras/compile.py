@@ -14,7 +14,7 @@ import tf_keras
 from tensorflow.experimental import dtensor
 
 from tfpod import UserError, compat
-from tfpod.keras import layers, support
+from tfpod.keras import layers, preprocessing, support
 from tfpod.keras.layout_map import KerasSharding, is_dvariable as _is_dvariable
 
 log = logging.getLogger("tfpod")
@@ -27,6 +27,7 @@ def prepare_compile(model, layout_map: KerasSharding, optimizer, steps_per_execu
             f"model {model.name!r} has no variables yet: build it before compile (call it on a batch, "
             "or model.build(input_shape)); its variables are placed on the mesh when it is built"
         )
+    preprocessing.check(model)  # lookups and random augmentation: refused with the dataset.map line that moves them
     off_mesh = [w.name for w in model.weights if not _is_dvariable(compat.inner_variable(w))]
     if off_mesh:
         raise UserError(

@@ -26,6 +26,7 @@ import weakref
 import tensorflow as tf
 
 from tfpod import UserError, compat
+from tfpod.keras import preprocessing
 
 _RNN = ("a loop over a TensorList: Keras's recurrent layers (LSTM, GRU, SimpleRNN, RNN) run one unless "
         "built with unroll=True, and so does a tf.TensorArray or tf.map_fn in a loop; build the recurrent layer "
@@ -34,6 +35,8 @@ _DEPTHWISE = ("the gradient of tf.nn.depthwise_conv2d called directly (tfpod swa
               "SeparableConv layers itself): call tfpod.fused.depthwise_conv2d instead")
 _BATCH_NORM = ("a fused batch-norm kernel (tfpod swaps Keras's BatchNormalization itself): use "
                "tf_keras.layers.BatchNormalization, or tfpod.fused.batch_norm in a custom layer")
+_INPUT_PIPELINE = ("a lookup, encoding, string or image-warping op (tf_keras's lookup, encoding and augmentation "
+                   "layers use them): run it in the input pipeline, dataset.map(...), and train on its output")
 
 UNSUPPORTED: dict[str, str] = {
     **{op: _RNN for op in ("TensorListFromTensor", "TensorListReserve", "EmptyTensorList", "TensorListStack",
@@ -49,6 +52,8 @@ UNSUPPORTED: dict[str, str] = {
     "AvgPool3DGrad": "the gradient of 3-D average pooling (AveragePooling3D, tf.nn.avg_pool3d): for windows that "
                      "do not overlap, reshape each spatial axis into (windows, window size) and tf.reduce_mean over "
                      "the window sizes",
+    **{op: _INPUT_PIPELINE for op in ("LookupTableFindV2", "Bucketize", "DenseBincount", "AsString", "StringLower",
+                                      "ImageProjectiveTransformV3", "StringSplitV2", "StaticRegexReplace")},
     "DepthwiseConv2dNativeBackpropFilter": _DEPTHWISE,
     "DepthwiseConv2dNativeBackpropInput": _DEPTHWISE,
     **{op: _BATCH_NORM for op in ("FusedBatchNorm", "FusedBatchNormV2", "FusedBatchNormV3", "FusedBatchNormGrad",
@@ -159,6 +164,8 @@ def check(model) -> None:
     where = f"layer {layer.name!r} ({type(layer).__name__})" if layer is not None else f"op {name!r}"
     others = sorted({other.name for _, other, _ in located if other is not None and other is not layer})
     more = f" (so do {', '.join(others[:3])}{' and more' if len(others) > 3 else ''})" if others else ""
+    if layer is not None and preprocessing.is_preprocessing(layer):
+        raise UserError(preprocessing.refusal(model, layer, f"uses the op {op}, which DTensor cannot lay out"))
     if op in EIGEN_UNDILATED:
         raise UserError(f"model {model.name!r}: {where} uses the op {op} dilated{more}: {_DILATED}")
     raise UserError(f"model {model.name!r}: {where} uses the op {op}, which DTensor cannot lay out{more}: "
