@@ -185,8 +185,19 @@ def test_checkpoint_resume_early_stopping_and_tensorboard(mesh42, tmp_path):
     assert not all(np.array_equal(a, b) for a, b in zip(final, seen[1]))
     assert tuple(tk.layout_of(resumed_model.get_layer("hidden").kernel).sharding_specs) == (dtensor.UNSHARDED, "model")
 
+    # model.save writes the unsharded copy (Keras's classes, the split kernel gathered) in each format.
+    want = resumed_model.predict(tk.to_mesh(train, mesh42), verbose=0)
+    for name in ("saved_model", "model.keras", "model.h5"):
+        resumed_model.save(str(tmp_path / name))
+        loaded = tf_keras.models.load_model(str(tmp_path / name))
+        assert all(type(layer).__module__.startswith("tf_keras.") for layer in loaded.layers), name
+        assert_close(loaded.predict(train, verbose=0), want)
+    served = tf.saved_model.load(str(tmp_path / "saved_model")).signatures["serving_default"]
+    assert_close(list(served(tf.constant(x[:BATCH])).values())[0], want[:BATCH])
+    assert type(resumed_model.get_layer("bn")).__module__.startswith("tfpod.")  # the stand-ins stay in the model
 
-def test_subclassed_fit_matches_unsharded_with_legacy_optimizer():
+
+def test_subclassed_fit_matches_unsharded_with_legacy_optimizer(tmp_path):
     mesh = tfpod.make_mesh("data:2,model:4")
     x, y = data()
     with tfpod.sharding(mesh, rules=SUBCLASSED_RULES):
@@ -216,6 +227,9 @@ def test_subclassed_fit_matches_unsharded_with_legacy_optimizer():
     assert_close(model.predict(tk.to_mesh(train, mesh), verbose=0), plain.predict(train, verbose=0))
     momentum = model.optimizer.get_slot(model.blocks[0].up.kernel, "momentum")
     assert tuple(tk.layout_of(momentum).sharding_specs) == (dtensor.UNSHARDED, "model")
+    model.save(str(tmp_path / "saved_model"))  # the unsharded copy, built on the shapes it was built on
+    served = tf.saved_model.load(str(tmp_path / "saved_model")).signatures["serving_default"]
+    assert_close(list(served(tf.constant(x[:BATCH])).values())[0], plain.predict(x[:BATCH], verbose=0))
 
 
 @pytest.mark.unit

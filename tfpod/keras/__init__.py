@@ -38,23 +38,25 @@ The modules, and who calls whom:
               tf_keras's training loop already runs on DTensor when the model has a
               layout map, but its optimizer must be a DTensor one.
   callbacks   `Checkpoint`: tfpod's checkpoint layout for fit, and resume.
+  export      `unsharded(model)` and what `model.save` saves: an ordinary tf_keras model.
   to_mesh     (tfpod.input.mesh_dataset) a tf.data.Dataset of global batches as
               batch-sharded DTensors, a plain dataset to Keras (fit re-iterates it
               every epoch and reads its length from its cardinality).
 
 Not supported: mixed-precision policies (AutoCastVariables are not placed),
 `steps_per_execution='auto'`, `class_weight` with a MeshDataset, sparse or ragged
-inputs, SavedModel / `model.save` of the sharded model (DTensor layouts are not
-saved: export from an unsharded copy via `get_weights`).
+inputs. `model.save` saves the unsharded copy (`unsharded(model)`: Keras's own
+classes, the weights gathered), which loads and serves without tfpod.
 """
 
 from tfpod.input.mesh_dataset import MeshDataset, to_mesh
 from tfpod.keras import hooks as _hooks
 from tfpod.keras.callbacks import Checkpoint
 from tfpod.keras.compile import mesh_optimizer
+from tfpod.keras.export import unsharded
 from tfpod.keras.layout_map import KerasSharding, get_values, layout_of, set_values, sharding
 
 _hooks.install()
 
 __all__ = ["KerasSharding", "sharding", "to_mesh", "MeshDataset", "Checkpoint", "layout_of", "get_values",
-           "set_values", "mesh_optimizer"]
+           "set_values", "mesh_optimizer", "unsharded"]

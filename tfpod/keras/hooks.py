@@ -13,6 +13,7 @@ calls tf_keras's own method for every other model:
                       functional model, as ConvNeXt's stem): Keras's own functional call
   Normalization()     made under tfpod.sharding: a tfpod.keras.layers.Normalization
   Model.get_weights / set_weights   gathered to / scattered from host arrays
+  Model.save          the unsharded copy's files (tfpod.keras.export)
   Model.evaluate / predict          one step per host call; predict's outputs gathered
   Model.fit / evaluate / predict    DTensor's "no layout propagation" as one line
   Optimizer.apply_gradients         dense gradients for an optimizer on the mesh
@@ -30,7 +31,7 @@ import tf_keras
 from tensorflow.experimental import dtensor
 
 from tfpod import UserError, compat
-from tfpod.keras import compile as compile_lib, layers, support
+from tfpod.keras import compile as compile_lib, export, layers, support
 from tfpod.keras.layout_map import KerasSharding, get_values, set_values
 
 _ONE_STEP = weakref.WeakKeyDictionary()  # model -> {"predict_function"/"test_function": one-step function}
@@ -53,6 +54,7 @@ def install() -> None:
     model.compile = _compiling(model.compile)
     model.get_weights = _on_sharded(model.get_weights, lambda self: get_values(self.weights))
     model.set_weights = _on_sharded(model.set_weights, lambda self, weights: set_values(self.weights, weights))
+    model.save = _on_sharded(model.save, export.save)  # an ordinary model's files, loadable without tfpod
     # evaluate and predict run one step per host call on a sharded model, each with
     # its own cached one-step function:
     # - Keras's multi-step predict loop concatenates each step's outputs inside a while
