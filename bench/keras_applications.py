@@ -10,9 +10,13 @@ Two parts (`--parts`):
            (their random masks differ), compiled with SGD(0.01) and sparse cross-entropy,
            fit 2 steps on 16 fixed images (the plain model eagerly, the sharded one as fit
            compiles it); then evaluate and predict on the same images,
-           and get_weights / set_weights round-tripped. "trains" means: both losses within
+           and get_weights / set_weights round-tripped; the fit saved a tfpod.keras.Checkpoint,
+           from which a new sharded model (other initial weights) resumes, and model.save
+           writes a SavedModel, served by tf.saved_model.load. "trains" means: both losses within
            1e-6 (relative) of plain Keras's, the weights after them within 1e-6 of the
-           largest update, evaluate's loss and predict's outputs within 1e-6. Otherwise the
+           largest update, evaluate's loss and predict's outputs within 1e-6, the resumed
+           model's weights equal to the trained ones, the SavedModel's outputs within 1e-6
+           of plain predict's. Otherwise the
            row says what happened: refused (tfpod's one line), or the differences.
   speed    plain `fit` against sharded `fit` on data:N (N = --cpu_devices), float32,
            batch 32, the median step time after compiling (--models, default
@@ -68,6 +72,17 @@ def _largest(a_list, b_list) -> float:
 
 def matrix(name: str, devices: int, mesh_spec: str) -> dict:
     """One model's matrix row (in this process)."""
+    import shutil
+    import tempfile
+
+    folder = tempfile.mkdtemp(prefix="keras_applications_")  # its checkpoints and SavedModel
+    try:
+        return _matrix(name, devices, mesh_spec, folder)
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def _matrix(name: str, devices: int, mesh_spec: str, folder: str) -> dict:
     import numpy as np
     import tensorflow as tf
     import tf_keras
@@ -80,31 +95,40 @@ def matrix(name: str, devices: int, mesh_spec: str) -> dict:
     rng = np.random.RandomState(0)
     x, y = rng.uniform(-1, 1, (16, size, size, 3)), rng.randint(0, 5, (16,)).astype("int32")
     mesh = tfpod.make_mesh(mesh_spec)
-    tf_keras.backend.set_floatx("float64")
-    tf_keras.mixed_precision.set_global_policy("float64")
     tf_keras.utils.set_random_seed(0)
     row = {"model": name, "part": "matrix", "input": size, "mesh": mesh_spec}
     started = time.time()
-    try:
+
+    def built(sharded: bool):
+        tf_keras.backend.set_floatx("float64")
+        tf_keras.mixed_precision.set_global_policy("float64")
         try:
-            plain = build(name, size)
+            if not sharded:
+                return build(name, size)
             with tfpod.sharding(mesh):
-                model = build(name, size)
+                return build(name, size)
         finally:  # float64 layers; the optimizers as usual (as tests/test_keras.py's MobileNetV2 test)
             tf_keras.mixed_precision.set_global_policy("float32")
             tf_keras.backend.set_floatx("float32")
-        for m in (plain, model):  # dropout off: the same function on both sides (random masks differ)
-            for layer in m._flatten_layers():
-                if isinstance(layer, tf_keras.layers.Dropout):
-                    layer.rate = 0.0
+
+    def compiled(m, plain=False):
+        for layer in m._flatten_layers():  # dropout off: the same function on both sides (random masks differ)
+            if isinstance(layer, tf_keras.layers.Dropout):
+                layer.rate = 0.0
+        m.compile(optimizer=tf_keras.optimizers.SGD(0.01), loss=tf_keras.losses.SparseCategoricalCrossentropy(),
+                  run_eagerly=plain)
+        return m
+
+    try:
+        plain, model = built(False), built(True)
         start = plain.get_weights()
         model.set_weights(start)
-        loss = lambda: tf_keras.losses.SparseCategoricalCrossentropy()
-        plain.compile(optimizer=tf_keras.optimizers.SGD(0.01), loss=loss(), run_eagerly=True)
-        model.compile(optimizer=tf_keras.optimizers.SGD(0.01), loss=loss())
+        compiled(plain, plain=True)
+        compiled(model)
         train = tf.data.Dataset.from_tensor_slices((x, y)).batch(16)  # one step per epoch: a loss per step
         t = time.time()
-        got = model.fit(tfpod.input.to_mesh(train, mesh), epochs=2, verbose=0).history["loss"]
+        got = model.fit(tfpod.input.to_mesh(train, mesh), epochs=2, verbose=0,
+                        callbacks=[tfpod.keras.Checkpoint(folder)]).history["loss"]
         row["sharded_fit_s"] = round(time.time() - t, 1)
         want = plain.fit(train, epochs=2, verbose=0).history["loss"]
     except UserError as e:
@@ -123,10 +147,18 @@ def matrix(name: str, devices: int, mesh_spec: str) -> dict:
     row["evaluate_rel"] = abs(eval_sharded - eval_plain) / abs(eval_plain)
     row["predict_max"] = _largest([model.predict(tfpod.input.to_mesh(train, mesh), verbose=0)],
                                   [plain.predict(train, verbose=0)])
+    tf_keras.utils.set_random_seed(1)
+    resumed = compiled(built(True))  # other initial weights; resumes at step 2 of 2: nothing to train
+    resumed.fit(tfpod.input.to_mesh(train, mesh), epochs=2, verbose=0, callbacks=[tfpod.keras.Checkpoint(folder)])
+    row["resume_exact"] = _largest(resumed.get_weights(), after) == 0.0
+    model.save(os.path.join(folder, "saved_model"))
+    served = tf.saved_model.load(os.path.join(folder, "saved_model")).signatures["serving_default"]
+    row["saved_model_max"] = _largest([list(served(tf.constant(x)).values())[0]], [plain.predict(train, verbose=0)])
     model.set_weights(start)
     row["set_get_exact"] = _largest(model.get_weights(), start) == 0.0
     ok = (row["loss_rel"] <= 1e-6 and row["weights_rel"] <= 1e-6 and row["evaluate_rel"] <= 1e-6
-          and row["predict_max"] <= 1e-6 and row["set_get_exact"])
+          and row["predict_max"] <= 1e-6 and row["set_get_exact"] and row["resume_exact"]
+          and row["saved_model_max"] <= 1e-6)
     row["result"] = "trains" if ok else "differs"
     row["seconds"] = round(time.time() - started, 1)
     return row
@@ -177,15 +209,26 @@ def speed(name: str, devices: int, steps: int) -> dict:
 
 
 def table(rows: list[dict]) -> str:
-    lines = ["| model | input | result | losses (sharded / plain) | largest difference |",
-             "|---|---|---|---|---|"]
+    """The Markdown table of matrix rows: a line per model, a column per mesh."""
+    meshes = sorted({r.get("mesh", "?") for r in rows}, key=lambda m: (m.count(","), m))
+    models = {}
     for r in rows:
+        models.setdefault(r["model"], {})[r.get("mesh", "?")] = r
+
+    def cell(r):
+        if r is None:
+            return "not run"
         if r["result"] in ("trains", "differs"):
-            losses = " ".join(f"{a:.6f}/{b:.6f}" for a, b in zip(r["loss_sharded"], r["loss_plain"]))
-            worst = max(r["loss_rel"], r["weights_rel"], r["evaluate_rel"], r["predict_max"])
-            lines.append(f"| {r['model']} | {r['input']} | {r['result']} | {losses} | {worst:.1e} |")
-        else:
-            lines.append(f"| {r['model']} | {r['input']} | {r['result']}: {r['message']} | | |")
+            worst = max(r["loss_rel"], r["weights_rel"], r["evaluate_rel"], r["predict_max"],
+                        r.get("saved_model_max", 0.0))
+            losses = "/".join(f"{a:.4f}" for a in r["loss_sharded"])
+            return f"{r['result']} (losses {losses}; largest difference {worst:.0e})"
+        return f"{r['result']}: {r.get('message', '')}".replace("|", "/")
+
+    lines = ["| model | input | " + " | ".join(meshes) + " |", "|---|---|" + "---|" * len(meshes)]
+    for name, by_mesh in sorted(models.items()):
+        size = next(iter(by_mesh.values())).get("input", "")
+        lines.append(f"| {name} | {size}x{size} | " + " | ".join(cell(by_mesh.get(m)) for m in meshes) + " |")
     return "\n".join(lines) + "\n"
 
 
@@ -197,9 +240,17 @@ def main() -> None:
     parser.add_argument("--cpu_devices", type=int, default=8)
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--table", default=None, help="write the matrix as a Markdown table here")
+    parser.add_argument("--results", default=None,
+                        help="make --table from these JSON lines (tests/test_keras_applications.py's), running nothing")
     parser.add_argument("--timeout", type=int, default=900, help="seconds per model (its row then says so)")
     parser.add_argument("--one", default=None, help="(internal) run one model in this process")
     args = parser.parse_args()
+    if args.results:
+        with open(args.results) as f:
+            rows = [json.loads(line) for line in f if line.strip()]
+        with open(args.table or "/dev/stdout", "w") as f:
+            f.write(table(rows))
+        return
     if args.one:
         row = (matrix(args.one, args.cpu_devices, args.mesh) if args.parts == "matrix"
                else speed(args.one, args.cpu_devices, args.steps))

@@ -30,6 +30,8 @@ gc.set_threshold(*tfpod.GC_THRESHOLDS)  # as main.py: TensorFlow's import walked
 def pytest_configure(config):
     config.addinivalue_line("markers", "unit: no subprocess and no multi-device training (pytest -m unit)")
     config.addinivalue_line("markers", "slurm: needs a real SLURM (bash .ci/slurm); left out unless -m selects it")
+    config.addinivalue_line("markers", "applications: every tf_keras.applications family, sharded (an hour on 2 "
+                                       "cores); left out unless -m selects it")
     if hasattr(config.option, "loadscopereorder"):
         config.option.loadscopereorder = False  # xdist: files in the order collected (SLOWEST_FIRST)
     from tfpod import runtime
@@ -48,13 +50,14 @@ SLOWEST_FIRST = ["test_pipeline", "test_reliability", "test_ssd", "test_run_fold
 
 
 def pytest_collection_modifyitems(config, items):
-    """`slurm` tests run only when -m names them (bash .ci/slurm installs SLURM first);
-    files in SLOWEST_FIRST order, then the rest as collected."""
-    if "slurm" not in (config.option.markexpr or ""):
-        kept = [item for item in items if "slurm" not in item.keywords]
-        if len(kept) != len(items):
-            config.hook.pytest_deselected(items=[item for item in items if "slurm" in item.keywords])
-            items[:] = kept
+    """`slurm` and `applications` tests run only when -m names them (bash .ci/slurm installs SLURM
+    first); files in SLOWEST_FIRST order, then the rest as collected."""
+    for marker in ("slurm", "applications"):
+        if marker not in (config.option.markexpr or ""):
+            kept = [item for item in items if marker not in item.keywords]
+            if len(kept) != len(items):
+                config.hook.pytest_deselected(items=[item for item in items if marker in item.keywords])
+                items[:] = kept
     rank = {name: i for i, name in enumerate(SLOWEST_FIRST)}
     items.sort(key=lambda item: rank.get(item.path.stem, len(rank)))  # stable: a file's own order stays
 

@@ -45,11 +45,21 @@ def _keras_classes(model):
             layer.__class__ = cls
 
 
+def _copy(layer):
+    """A new layer (or model) made like `layer`: a functional or Sequential model cloned layer by layer
+    (each layer from its own class and config, so a custom layer of an application, as ConvNeXt's
+    LayerScale, needs no registration: Keras's `Model.from_config` of ConvNeXt itself fails); any
+    other from its config."""
+    if compat.is_functional(layer) or isinstance(layer, tf_keras.Sequential):
+        return tf_keras.models.clone_model(layer, clone_function=_copy)
+    return type(layer).from_config(layer.get_config())
+
+
 def unsharded(model) -> tf_keras.Model:
     """An ordinary tf_keras model (no mesh, Keras's own layer classes) with `model`'s weights.
 
-    Made from `model.get_config()` (a functional or Sequential model, or a subclassed one
-    that has get_config), built on the shapes the sharded one was built on, and given its
+    Made again layer by layer (a functional or Sequential model), or from `get_config` (a
+    subclassed one that has it), built on the shapes the sharded one was built on, and given its
     weights through `get_weights` (gathered from every device). Raises UserError in one line
     when the model cannot be made again from its config.
     """
@@ -58,8 +68,7 @@ def unsharded(model) -> tf_keras.Model:
                         "it, the copy's variables would be placed on the mesh again)")
     try:
         with _keras_classes(model):
-            config = model.get_config()
-            plain = type(model).from_config(config)
+            plain = _copy(model)
     except (NotImplementedError, TypeError, ValueError) as e:
         raise UserError(
             f"model {model.name!r} ({type(model).__name__}) cannot be made again from its config ({str(e).splitlines()[0]}): "
