@@ -7,6 +7,8 @@ give the losses of the same model fit unsharded from the same weights, and one t
 cannot must be refused at compile with one line naming the op.
 """
 
+import contextlib
+
 import numpy as np
 import tensorflow as tf
 import tf_keras
@@ -261,3 +263,58 @@ def test_an_augmentation_sequential_is_moved_whole_and_the_model_on_its_output_t
     model.compile(optimizer="sgd", loss="mse")
     history = model.fit(tfpod.input.to_mesh(scope["dataset"], mesh), epochs=1, verbose=0).history
     assert np.isfinite(history["loss"][0]), history
+
+
+def test_a_normalization_adapted_in_the_scope_or_after_building_trains_as_unsharded_and_one_adapted_outside_is_refused():
+    """Keras's adapt on a Normalization made under tfpod.sharding, before the model is built (lazy
+    variables) or after (on the mesh), gives the statistics and losses of plain Keras; a layer made
+    and adapted outside the scope is refused at compile in one line, and its fix trains."""
+    mesh = device_mesh("data:2")
+    rng = np.random.RandomState(0)
+    x, y = (rng.randn(32, 5) * 3 + 2).astype("float32"), rng.randn(32, 2).astype("float32")
+    train = tf.data.Dataset.from_tensor_slices((x, y)).batch(16)
+
+    def fit(norm, sharded: bool):
+        tf_keras.utils.set_random_seed(0)
+        with tfpod.sharding(mesh) if sharded else contextlib.nullcontext():
+            inputs = tf_keras.Input((5,))
+            model = tf_keras.Model(inputs, L.Dense(2)(norm()(inputs)))
+        model.compile(optimizer=tf_keras.optimizers.SGD(0.1), loss="mse", run_eagerly=not sharded)
+        return model.fit(tfpod.input.to_mesh(train, mesh) if sharded else train, epochs=2, verbose=0).history["loss"]
+
+    def adapted(data):
+        layer = L.Normalization()
+        layer.adapt(data)
+        return layer
+
+    want = fit(lambda: adapted(x), sharded=False)
+    before = fit(lambda: adapted(train.map(lambda a, b: a)), sharded=True)  # a dataset, in the scope
+    with tfpod.sharding(mesh):  # compile inside the scope: refused in one line
+        try:
+            fit(lambda: adapted(x), sharded=True)
+            raise AssertionError("compiled inside the scope")
+        except UserError as e:
+            assert "compile called inside `with tfpod.sharding(...)`" in str(e), e
+    layers = []
+    with tfpod.sharding(mesh):
+        tf_keras.utils.set_random_seed(0)
+        inputs = tf_keras.Input((5,))
+        layers.append(L.Normalization())
+        model = tf_keras.Model(inputs, L.Dense(2)(layers[0](inputs)))
+    layers[0].adapt(x)  # after the model is built, outside the scope: its variables are on the mesh
+    model.compile(optimizer=tf_keras.optimizers.SGD(0.1), loss="mse")
+    after = model.fit(tfpod.input.to_mesh(train, mesh), epochs=2, verbose=0).history["loss"]
+    np.testing.assert_allclose(before, want, rtol=1e-5)
+    np.testing.assert_allclose(after, want, rtol=1e-5)
+
+    outside = adapted(x)
+    with tfpod.sharding(mesh):
+        inputs = tf_keras.Input((5,))
+        model = tf_keras.Model(inputs, L.Dense(2)(outside(inputs)))
+    try:
+        model.compile(optimizer="sgd", loss="mse")
+        raise AssertionError("compiled")
+    except UserError as e:
+        assert f"layer {outside.name!r} (Normalization)" in str(e) and "mean=adapted.mean.numpy()" in str(e), e
+    fixed = fit(lambda: L.Normalization(mean=outside.mean.numpy(), variance=outside.variance.numpy()), True)
+    np.testing.assert_allclose(fixed, want, rtol=1e-5)

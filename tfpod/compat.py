@@ -185,16 +185,21 @@ def set_checkpoint_saveable(variable, factory) -> None:
 
 def lazy_variable():
     """tf_keras's lazily initialized variables (tf_keras.src.dtensor.lazy_variable)."""
-    from tf_keras.src.dtensor import lazy_variable as module
+    return tf_keras(private="dtensor.lazy_variable")
 
-    return module
+
+def set_lazy_initial_value(variable, value) -> bool:
+    """Makes `value` the initial value of a lazy variable (placed on the mesh with it when its model is
+    built); False, and nothing done, for any other variable."""
+    if not isinstance(variable, lazy_variable().LazyInitVariable):
+        return False
+    variable._initial_value = value
+    return True
 
 
 def layout_map_lib():
     """tf_keras's DTensor layout map module (LayoutMap, the variable mapping functions)."""
-    from tf_keras.src.dtensor import layout_map as module
-
-    return module
+    return tf_keras(private="dtensor.layout_map")
 
 
 def wrap_create_dvariable(wrap) -> None:
@@ -236,9 +241,7 @@ def set_layout_map(model, layout_map) -> None:
 
 
 def is_functional(model) -> bool:
-    from tf_keras.src.engine import functional
-
-    return isinstance(model, functional.Functional)
+    return isinstance(model, tf_keras(private="engine.functional").Functional)
 
 
 def split_first_argument(model, args, kwargs):
@@ -395,9 +398,7 @@ def slot_table(optimizer) -> dict:
 
 def var_key(variable) -> str:
     """The key a legacy optimizer files `variable`'s slots under."""
-    from tf_keras.src.optimizers.legacy import optimizer_v2
-
-    return optimizer_v2._var_key(variable)
+    return tf_keras(private="optimizers.legacy.optimizer_v2")._var_key(variable)
 
 
 def adam_coefficients(optimizer, variable, apply_state):

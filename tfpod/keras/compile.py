@@ -29,6 +29,17 @@ def prepare_compile(model, layout_map: KerasSharding, optimizer, steps_per_execu
         )
     preprocessing.check(model)  # lookups and random augmentation: refused with the dataset.map line that moves them
     off_mesh = [w.name for w in model.weights if not _is_dvariable(compat.inner_variable(w))]
+    adapted = [layer for layer in compat.flatten_layers(model, include_self=False)
+               if isinstance(layer, tf_keras.layers.Normalization) and layer.weights
+               and not _is_dvariable(compat.inner_variable(layer.weights[0]))]
+    if adapted:
+        name = adapted[0].name
+        raise UserError(
+            f"layer {name!r} (Normalization) of model {model.name!r} was made outside tfpod.sharding, so its "
+            f"statistics are not on the mesh: make it inside `with tfpod.sharding(...)` and adapt it there (before "
+            f"or after building the model), or make it there from the adapted layer's numbers: "
+            f"tf_keras.layers.Normalization(mean=adapted.mean.numpy(), variance=adapted.variance.numpy())"
+        )
     if off_mesh:
         raise UserError(
             f"weight {off_mesh[0]} of model {model.name!r} is not on the mesh (a mixed-precision variable, "

@@ -127,6 +127,7 @@ def _compiling(compile_fn):
         layout_map = _sharding_of(self)
         if layout_map is None:
             return compile_fn(self, *args, **kwargs)
+        _outside_the_scope(self, "compile")
         bound = signature.bind(self, *args, **kwargs)
         _ONE_STEP.pop(self, None)
         # Inside `with tfpod.sharding(...)` new variables are lazy until a model maps
@@ -194,14 +195,25 @@ def _gathered(concat):
     return wrapper
 
 
+def _outside_the_scope(model, what: str) -> None:
+    """Refuses compile / fit / evaluate / predict inside `with tfpod.sharding(...)`: the optimizer's
+    slots made in the first step would be tf_keras's lazy variables there, which the step reads as
+    empty ("Dimensions must be equal, but are 2 and 0" at SGD's momentum)."""
+    if compat.layout_map_lib().get_current_layout_map() is not None:
+        raise UserError(f"model {model.name!r}: {what} called inside `with tfpod.sharding(...)`: build the model "
+                        f"inside the block, and compile, fit, evaluate and predict after it")
+
+
 def _translating(method):
     """Wraps Model.fit / evaluate / predict: on a sharded model, an op DTensor cannot lay out
-    (found when the step compiles) is one UserError line (`support.translate`)."""
+    (found when the step compiles) is one UserError line (`support.translate`); called inside
+    `with tfpod.sharding(...)`, it is refused (`_outside_the_scope`)."""
 
     @functools.wraps(method)
     def wrapper(self, *args, **kwargs):
         if _sharding_of(self) is None:
             return method(self, *args, **kwargs)
+        _outside_the_scope(self, method.__name__)
         try:
             return method(self, *args, **kwargs)
         except tf.errors.OpError as e:

@@ -33,6 +33,7 @@ import tensorflow as tf
 import tf_keras
 
 from tfpod import compat, fused, partitioning
+from tfpod.keras.layout_map import is_dvariable, set_values
 
 
 def _depthwise_call(layer, inputs, kernel, strides, dilations, pointwise=None, one_d=False):
@@ -163,6 +164,26 @@ class Normalization(tf_keras.layers.Normalization):
 
     def finalize_state(self):
         pass  # nothing to cache: `call` reads the variables
+
+    def adapt(self, data, batch_size=None, steps=None):
+        """Keras's own adapt, on a plain Normalization off the mesh (Keras's adapt loop stops on lazy
+        variables, "can only convert an array of size 1 to a Python scalar", and on DVariables, a
+        DTensor iterator error), then its statistics copied in: assigned where this layer's variables
+        are on the mesh, or made the initial values of lazy ones (placed with the model around them)."""
+        with compat.layout_map_lib().layout_map_scope(None), compat.lazy_variable().disable_init_variable_creator():
+            plain = tf_keras.layers.Normalization(axis=self.axis, invert=self.invert)
+            plain.adapt(data, batch_size=batch_size, steps=steps)
+        if not self.built:
+            shape = data.element_spec.shape if isinstance(data, tf.data.Dataset) else np.shape(data)
+            self.build([None] + list(shape)[1:])
+        for variable, value in zip((self.adapt_mean, self.adapt_variance, self.count),
+                                   (plain.adapt_mean, plain.adapt_variance, plain.count)):
+            if compat.set_lazy_initial_value(variable, tf.constant(value.numpy())):
+                continue
+            if is_dvariable(compat.inner_variable(variable)):
+                set_values([variable], [value.numpy()])
+            else:  # built outside tfpod.sharding (compile says so)
+                variable.assign(value)
 
     def call(self, inputs):
         x = tf.cast(self._standardize_inputs(inputs), self.compute_dtype)
