@@ -12,6 +12,7 @@ and MobileNetV2 whole in test_keras.py). Run it, and regenerate the docs' table 
 results, with
 
     TFPOD_APPLICATIONS_RESULTS=/tmp/applications.jsonl python -m pytest -m applications tests/test_keras_applications.py
+        [-k data8]
     python bench/keras_applications.py --results=/tmp/applications.jsonl --table=docs/keras_applications.md
 """
 
@@ -30,7 +31,7 @@ from keras_applications import FAMILIES  # noqa: E402
 pytestmark = pytest.mark.applications
 
 
-@pytest.mark.parametrize("mesh", ["data:8", "data:4,model:2"])
+@pytest.mark.parametrize("mesh", ["data:8", "data:4,model:2"], ids=["data8", "data4_model2"])
 @pytest.mark.parametrize("name", FAMILIES)
 def test_an_application_trains_sharded_as_plain_keras(name, mesh):
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "keras_applications.py"), "--parts=matrix",
