@@ -20,6 +20,7 @@ import tensorflow as tf
 import tf_keras
 
 from tfpod import UserError, compat
+from tfpod.keras.layout_map import in_scope
 
 
 def _keras_class(layer) -> type:
@@ -63,7 +64,7 @@ def unsharded(model) -> tf_keras.Model:
     weights through `get_weights` (gathered from every device). Raises UserError in one line
     when the model cannot be made again from its config.
     """
-    if compat.layout_map_lib().get_current_layout_map() is not None:
+    if in_scope():
         raise UserError(f"model {model.name!r}: make its unsharded copy outside `with tfpod.sharding(...)` (inside "
                         "it, the copy's variables would be placed on the mesh again)")
     try:

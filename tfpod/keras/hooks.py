@@ -32,7 +32,7 @@ from tensorflow.experimental import dtensor
 
 from tfpod import UserError, compat
 from tfpod.keras import compile as compile_lib, export, layers, support
-from tfpod.keras.layout_map import KerasSharding, get_values, set_values
+from tfpod.keras.layout_map import KerasSharding, get_values, in_scope, set_values
 
 _ONE_STEP = weakref.WeakKeyDictionary()  # model -> {"predict_function"/"test_function": one-step function}
 _INSTALLED = []
@@ -199,7 +199,7 @@ def _outside_the_scope(model, what: str) -> None:
     """Refuses compile / fit / evaluate / predict inside `with tfpod.sharding(...)`: the optimizer's
     slots made in the first step would be tf_keras's lazy variables there, which the step reads as
     empty ("Dimensions must be equal, but are 2 and 0" at SGD's momentum)."""
-    if compat.layout_map_lib().get_current_layout_map() is not None:
+    if in_scope():
         raise UserError(f"model {model.name!r}: {what} called inside `with tfpod.sharding(...)`: build the model "
                         f"inside the block, and compile, fit, evaluate and predict after it")
 
@@ -269,8 +269,7 @@ def _normalization_init(init_fn):
     @functools.wraps(init_fn)
     def __init__(self, *args, **kwargs):
         init_fn(self, *args, **kwargs)
-        if type(self) is tf_keras.layers.Normalization and isinstance(
-                compat.layout_map_lib().get_current_layout_map(), KerasSharding):
+        if type(self) is tf_keras.layers.Normalization and in_scope():
             self.__class__ = layers.Normalization
 
     return __init__

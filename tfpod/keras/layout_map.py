@@ -189,6 +189,11 @@ class KerasSharding(compat.layout_map_lib().LayoutMap):
                 )
 
 
+def in_scope() -> bool:
+    """Whether the code runs inside `with tfpod.sharding(...)` (a KerasSharding is tf_keras's current layout map)."""
+    return isinstance(compat.layout_map_lib().get_current_layout_map(), KerasSharding)
+
+
 def sharding(mesh: dtensor.Mesh, rules=None, *, preset: str = "tensor",
              overrides: Mapping[str, str | None] | None = None, cover_all: bool = False) -> KerasSharding:
     """`with tfpod.sharding(mesh, rules=...):` build a tf_keras model with sharded DVariables.

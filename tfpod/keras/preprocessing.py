@@ -25,7 +25,7 @@ import tf_keras
 from tfpod import UserError, compat
 
 _LOOKUPS = ("StringLookup", "IntegerLookup", "TextVectorization", "CategoryEncoding", "Discretization",
-            "HashedCrossing", "Hashing")
+            "HashedCrossing")  # not Hashing: it trains on strings; on integers its AsString op is found by the trace
 _BASE_CONFIG = ("name", "trainable", "dtype", "batch_input_shape", "input_dim", "input_shape")
 
 
@@ -36,13 +36,9 @@ def is_preprocessing(layer) -> bool:
 
 def runs_on_host(layer) -> bool:
     """Whether the layer is one that tfpod moves into the input pipeline: a random image augmentation,
-    a lookup or an encoding (not Hashing: it trains on strings; on integers its AsString op is found by
-    `support.check`)."""
-    if not is_preprocessing(layer):
-        return False
-    name = type(layer).__name__
-    return (isinstance(layer, tf_keras.__internal__.layers.BaseRandomLayer)
-            or (name in _LOOKUPS and name != "Hashing"))
+    a lookup or an encoding (`_LOOKUPS`)."""
+    return is_preprocessing(layer) and (isinstance(layer, tf_keras.__internal__.layers.BaseRandomLayer)
+                                        or type(layer).__name__ in _LOOKUPS)
 
 
 def constructor(layer) -> str:
@@ -82,7 +78,7 @@ def _same(value, default) -> bool:
 
 
 def _inbound(layer) -> list:
-    nodes = getattr(layer, "_inbound_nodes", [])
+    nodes = layer.inbound_nodes
     return list(tf.nest.flatten(nodes[0].inbound_layers)) if nodes else []
 
 
@@ -110,13 +106,11 @@ def refusal(model, layer, why: str) -> str:
     preprocessing layers right after it) into `dataset.map`."""
     top = _outer(model, layer)
     chain = [top] if _movable(top) else [layer]
-    if _movable(top):  # the preprocessing layers that follow it, one after another
-        followers = {id(t): t for t in model.layers}
-        while True:
-            nxt = [t for t in followers.values() if _inbound(t) == [chain[-1]] and _movable(t)]
-            if len(nxt) != 1 or len(chain[-1].outbound_nodes) != 1:
-                break
-            chain.append(nxt[0])
+    while chain[0] is top and len(chain[-1].outbound_nodes) == 1:  # the preprocessing layers right after it
+        nxt = [t for t in model.layers if _inbound(t) == [chain[-1]] and _movable(t)]
+        if len(nxt) != 1:
+            break
+        chain.append(nxt[0])
     made = constructor(chain[0]) if len(chain) == 1 else (
         "tf_keras.Sequential([" + ", ".join(constructor(t) for t in chain) + "])")
     sources = _inbound(chain[0])
