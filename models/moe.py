@@ -252,7 +252,7 @@ class MoEMLP(tf_keras.layers.Layer):
         active = partitioning.active_context()
         if active is None:
             return
-        mesh, table = active
+        mesh, table = active.mesh, active.table
         axis = table.get("expert")
         if axis in mesh.dim_names and groups % mesh.dim_size(axis):
             n = mesh.dim_size(axis)

@@ -15,13 +15,15 @@ in training, which is what accumulation means for it (the docs say so); here Res
 run their batch norm in inference mode so the comparison is exact.
 """
 
+import dataclasses
+
 import numpy as np
 import pytest
 
 from conftest import device_mesh, make_run
 from tfpod import optimizers
 from tfpod.controller import TrainConfig
-from tfpod.models import bert, moe, resnet, ssd, transformer
+from tfpod.models import bert, gpt, moe, resnet, ssd, transformer
 from tfpod.task import LossTerms
 
 
@@ -75,3 +77,14 @@ def test_microbatches_give_the_unsplit_batchs_losses(tmp_path, name):
     assert len(whole) == len(split) == 2 and whole[0] != whole[1]
     np.testing.assert_allclose(split, whole, rtol=1e-5)
     assert run.trainer.traces == 1 and run.trainer.pipeline is None  # one compiled loop: steps_per_loop holds
+
+
+def test_recomputed_blocks_replay_each_microbatchs_dropout_masks(tmp_path):
+    """gpt.remat=True with dropout over 2 microbatches trains the losses of keeping the activations:
+    a recomputed block, run again in the backward pass, draws its own microbatch's masks."""
+    config = gpt.GPTConfig(vocab_size=256, seq_len=32, num_layers=2, embed_dim=32, num_heads=4, mlp_dim=64,
+                           dropout=0.1, attention_dropout=0.1)
+    _, kept = train(gpt.TASK, config, 2, tmp_path / "kept")
+    _, recomputed = train(gpt.TASK, dataclasses.replace(config, remat=True), 2, tmp_path / "remat")
+    assert kept[0] != kept[1]
+    np.testing.assert_allclose(recomputed, kept, rtol=1e-6)

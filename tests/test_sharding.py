@@ -1,5 +1,8 @@
 """The rules engine: each validation error, layouts from rules tables, the layout report."""
 
+import re
+
+import numpy as np
 import pytest
 from tensorflow.experimental import dtensor
 
@@ -168,3 +171,46 @@ def test_activation_helpers_relayout_inside_the_context(mesh):
         assert float(tf.reduce_sum(back)) == 8 * 4 * 16
         with pytest.raises(ValueError, match="got 2 logical axes"):
             partitioning.shard(x, ("batch", "length"))
+
+
+def test_what_changes_a_traced_step_is_one_context_and_its_switches_fail_outside_a_step(mesh):
+    """The step's context (partitioning.activations.StepContext) is opened by a placement's compile
+    point; each switch an executor flips inside it (gathered weights, the microbatch, a pipeline
+    stage, a stage's prefetched copies) refuses to open outside a step instead of changing nothing,
+    and a step that accumulates microbatches refuses a dropout mask drawn for no microbatch."""
+    import tensorflow as tf
+    import tf_keras
+
+    placement = partitioning.Placement(mesh, TENSOR)
+    for switch, name in ((partitioning.gathered_weights, "gathered_weights()"),
+                         (lambda: partitioning.microbatch(1), "microbatch(1)"),
+                         (lambda: placement.stage_activations(0), "stage_activations(0)"),
+                         (lambda: partitioning.stages.prefetched([], mesh), "stages.prefetched")):
+        with pytest.raises(RuntimeError, match=rf"^{re.escape(name)} outside a step's context: trace the step"):
+            with switch():
+                pass
+    assert partitioning.active_context() is None
+
+    layer = tf_keras.layers.Dropout(0.5)
+    step = tf.Variable(3, dtype=tf.int64)
+    assert partitioning.replayable_dropout(tf_keras.Sequential([layer]), step, seed=0) == 1
+    x = dtensor.copy_to_mesh(tf.ones([4, 8]), dtensor.Layout.replicated(mesh, 2))
+    with placement.activations(microbatches=2):
+        context = partitioning.active_context()
+        assert (context.mesh, context.microbatches, context.microbatch, context.gathered) == (mesh, 2, None, False)
+        with pytest.raises(RuntimeError, match="drawn in a step of 2 microbatches outside partitioning.microbatch"):
+            layer(x, training=True)
+        with partitioning.microbatch(0):
+            first = layer(x, training=True)
+            assert partitioning.active_context().microbatch == 0
+        with partitioning.microbatch(1):
+            second = layer(x, training=True)
+        with partitioning.microbatch(0), partitioning.gathered_weights():
+            assert partitioning.active_context().gathered
+            again = layer(x, training=True)
+        assert partitioning.active_context() is context  # each block's change ends with it
+    first, second, again = (dtensor.unpack(t)[0].numpy() for t in (first, second, again))
+    np.testing.assert_array_equal(first, again)  # the same microbatch replays its mask
+    assert not np.array_equal(first, second)
+    with placement.activations():  # one microbatch: a mask needs no index
+        layer(x, training=True)

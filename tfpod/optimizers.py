@@ -320,6 +320,49 @@ class Update:
         """Whether any weight's update is sharded."""
         return any(s is not None for s in self.shadows)
 
+    def step(self, loss: tf.Tensor, grads: Sequence[tf.Tensor], clip_norm: float | None, placement=None,
+             homes: Sequence[int] | None = None) -> tuple[tf.Tensor, tf.Tensor]:
+        """The one update every executor's step ends in (inside the compiled step): the
+        gradients' global norm, global-norm clipping (`clip_norm`; None or 0: off), and the
+        update, applied only when the loss and the norm are finite (else only the step
+        counter advances, so weights and slots keep finite values).
+
+        With pipeline stages (`placement` with stages, `homes`: each gradient's stage) the
+        norm sums every stage's squares on the first stage, and each stage applies its own
+        weights' update (`apply_on_stages`).
+
+        Returns:
+          (loss, gradient norm).
+        """
+        if homes is None or placement is None or placement.num_stages == 1:
+            if clip_norm:
+                grads, norm = tf.clip_by_global_norm(grads, clip_norm)
+            else:
+                norm = tf.linalg.global_norm(grads)
+
+            def skip():
+                self.optimizer.iterations.assign_add(1)  # the batch is consumed; the step counter stays in step
+
+            tf.cond(tf.math.is_finite(loss) & tf.math.is_finite(norm), lambda: self.apply(grads), skip)
+            return loss, norm
+        first, last = 0, placement.num_stages - 1
+        on = lambda x, source, s: stages.to_mesh(x, placement.stage(source).mesh,
+                                                 dtensor.Layout.replicated(placement.stage(s).mesh, 0))
+        squares = []
+        for s in range(placement.num_stages):
+            with placement.stage_activations(s):
+                mine = [tf.reduce_sum(tf.square(tf.cast(g, tf.float32))) for g, h in zip(grads, homes) if h == s]
+                if mine:
+                    squares.append(on(tf.add_n(mine), s, first))
+        norm = tf.sqrt(tf.add_n(squares))
+        finite = tf.math.is_finite(on(loss, last, first)) & tf.math.is_finite(norm)
+        if clip_norm:
+            scale = clip_norm / tf.maximum(norm, clip_norm)
+            scales = [on(scale, first, s) for s in range(placement.num_stages)]
+            grads = [g * tf.cast(scales[h], g.dtype) for g, h in zip(grads, homes)]
+        self.apply_on_stages(grads, homes, finite, placement)
+        return loss, norm
+
     def apply(self, grads: Sequence[tf.Tensor]):
         """One optimizer step (inside the compiled train step)."""
         applied = self.optimizer.apply_gradients(self._pairs(grads, range(len(self.variables))))

@@ -29,9 +29,8 @@ from tfpod.task import EvalContext, LossTerms, Task
 from tfpod.train_state import TrainState
 
 
-def make_train_loop(model, update: optimizers.Update, task: Task, clip_norm: float | None, steps_per_loop: int,
-                    microbatches: int = 1):
-    """The compiled training loop: up to `steps_per_loop` steps per call.
+def accumulate(model, task: Task, microbatches: int = 1):
+    """The executor of a step on one mesh: batch -> (loss, gradients), with microbatches.
 
     A step's loss is `task.loss_terms` over `task.loss_counts` of its whole batch. With
     microbatches > 1 each step's batch comes as [microbatches, rows / microbatches, ...]
@@ -39,34 +38,21 @@ def make_train_loop(model, update: optimizers.Update, task: Task, clip_norm: flo
     microbatches first, then each microbatch's share of the loss (its sums over the whole
     step's counts, its aux term over the microbatches) is differentiated in turn and the
     gradients summed: the loss and gradients of the unsplit batch (up to rounding; batch
-    norm normalizes each microbatch), one microbatch's activations alive at a time, and
-    one update. Dropout draws each microbatch's own masks.
-
-    A step whose loss or gradient norm is NaN or Inf only advances the step counter:
-    its update is not applied, so weights and optimizer slots keep finite values (what
-    the run does next is tfpod.nonfinite's, on the host).
-
-    Args:
-      model: the sharded model.
-      update: applies the gradients (its optimizer's state already created).
-      task: its loss_terms and loss_counts.
-      clip_norm: global-norm gradient clipping (None or 0: off).
-      steps_per_loop: the leading dimension of the stacked batches.
-      microbatches: microbatches per step.
-
-    Returns:
-      fn(stacked_batches, num_steps) -> (losses [steps_per_loop], grad_norms
-      [steps_per_loop]); entries past num_steps are 0. Compile it with the run's
-      `Placement.compile`: traced outside a placement's activation context it raises.
+    norm normalizes each microbatch), one microbatch's activations alive at a time.
+    Dropout draws each microbatch's own masks. (With pipeline stages the executor is
+    tfpod.pipeline's `Pipeline.loss_and_gradients`.)
     """
     variables = model.trainable_variables
     m = microbatches
 
     def share(batch, counts, index):
         """(this microbatch's share of the step's loss, its gradients)."""
-        with tf.GradientTape() as tape, partitioning.gathered_weights(), partitioning.microbatch(index):
-            loss = task.loss_terms(model, batch, True).loss(counts, m)
-        return loss, [tf.convert_to_tensor(g) for g in tape.gradient(loss, variables)]  # IndexedSlices -> dense
+        # (the gradient inside the microbatch's block too: a recomputed block (remat) runs its
+        # forward again there, and must draw the same dropout masks and read the same weights)
+        with partitioning.gathered_weights(), partitioning.microbatch(index):
+            with tf.GradientTape() as tape:
+                loss = task.loss_terms(model, batch, True).loss(counts, m)
+            return loss, [tf.convert_to_tensor(g) for g in tape.gradient(loss, variables)]  # IndexedSlices -> dense
 
     def loss_and_gradients(batch):
         if m == 1:
@@ -82,24 +68,52 @@ def make_train_loop(model, update: optimizers.Update, task: Task, clip_norm: flo
         _, loss, grads = tf.while_loop(lambda j, *_: j < m, body, (tf.constant(1), loss, grads))
         return loss, grads
 
+    return loss_and_gradients
+
+
+def make_train_loop(loss_and_gradients, update: optimizers.Update, clip_norm: float | None, steps_per_loop: int,
+                    placement: Placement, microbatches: int = 1, homes=None):
+    """The compiled training loop: up to `steps_per_loop` steps per call, each the
+    executor's loss and gradients (`accumulate`, or a pipeline's) and the one update
+    (`optimizers.Update.step`: the norm, clipping, the update only when finite).
+
+    On one mesh the steps run in a `tf.while_loop` over stacked batches: one compiled
+    call per loop. A pipeline's step spans the stages' meshes, which DTensor cannot
+    carry through a while loop ("CopyToMesh acrosses Clusters should have been lowered
+    to DTensorSend/DTensorRecv"); unrolling the steps in the trace instead compiles n
+    times as long for no faster step (docs/benchmarks.md, "Pipeline steps per call"),
+    so with stages each step is one compiled call, and the loop over the call's steps
+    runs on the host, fetching the losses once at its end.
+
+    Returns:
+      fn(batches, num_steps) -> (losses [steps_per_loop], grad_norms [steps_per_loop]);
+      entries past num_steps are 0. On one mesh `batches` is the stack of the steps'
+      batches; with stages it is a list of the steps' stage batches. Compiled with
+      `placement.compile` (traced outside a placement's activation context, the step
+      raises); `fn.experimental_get_tracing_count()` counts its traces.
+    """
+
     def train_step(batch):
+        if partitioning.active_context() is None:  # its activation annotations would silently do nothing
+            raise RuntimeError("the train step was traced outside a placement's activation context: compile it "
+                               "with Placement.compile")
         loss, grads = loss_and_gradients(batch)
-        if clip_norm:
-            grads, norm = tf.clip_by_global_norm(grads, clip_norm)
-        else:
-            norm = tf.linalg.global_norm(grads)
+        return update.step(loss, grads, clip_norm, placement, homes)
 
-        def skip():
-            update.optimizer.iterations.assign_add(1)  # the batch is consumed; the step counter stays in step
+    if placement.num_stages > 1:
+        step = placement.compile(train_step, microbatches)
 
-        tf.cond(tf.math.is_finite(loss) & tf.math.is_finite(norm), lambda: update.apply(grads), skip)
-        return loss, norm
+        def host_loop(steps, num_steps):
+            results = [step(batch) for batch in steps[:num_steps]]
+            losses, norms = np.zeros([steps_per_loop], np.float32), np.zeros([steps_per_loop], np.float32)
+            for i, (loss, norm) in enumerate(results):
+                losses[i], norms[i] = runtime.to_host(loss), runtime.to_host(norm)
+            return losses, norms
+
+        host_loop.experimental_get_tracing_count = step.experimental_get_tracing_count
+        return host_loop
 
     def train_loop(stacked, num_steps):
-        if partitioning.active_context() is None:  # its activation annotations would silently do nothing
-            raise RuntimeError("the train loop was traced outside a placement's activation context: compile it "
-                               "with Placement.compile")
-
         def body(i, losses, norms):
             loss, norm = train_step({k: tf.gather(v, i) for k, v in stacked.items()})
             hot = tf.one_hot(i, steps_per_loop)
@@ -109,7 +123,7 @@ def make_train_loop(model, update: optimizers.Update, task: Task, clip_norm: flo
         _, losses, norms = tf.while_loop(lambda i, *_: i < num_steps, body, (tf.constant(0), zeros, zeros))
         return losses, norms
 
-    return train_loop
+    return placement.compile(train_loop, microbatches)
 
 
 class Trainer:
@@ -165,10 +179,12 @@ class Trainer:
                 self.state.save_through(self.model.variables + optimizers.slot_variables(self.optimizer)
                                         + self.update.shadow_list(), placement.mesh)
             self.pipeline = pipeline.Pipeline(pipeline.staged_model(task, self.model), task.loss_counts, placement,
-                                              self.update, optimizer_config.clip_norm, schedule, microbatches)
-            return
-        self._loop = placement.compile(make_train_loop(self.model, self.update, task, optimizer_config.clip_norm,
-                                                       steps_per_loop, microbatches))
+                                              self.update.variables, schedule, microbatches)
+            executor, homes = self.pipeline.loss_and_gradients, self.pipeline.homes
+        else:
+            executor, homes = accumulate(self.model, task, microbatches), None
+        self._loop = make_train_loop(executor, self.update, optimizer_config.clip_norm, steps_per_loop, placement,
+                                     microbatches, homes)
 
     def layout_report(self) -> str:
         """The layout report of the weights and the optimizer state (layouts.txt)."""
@@ -182,7 +198,7 @@ class Trainer:
     @property
     def traces(self) -> int:
         """How many times the compiled train loop was traced (1 when it never recompiled)."""
-        return self.pipeline.traces if self.pipeline else self._loop.experimental_get_tracing_count()
+        return self._loop.experimental_get_tracing_count()
 
     def train_loop(self, host_stack: Mapping[str, np.ndarray], num_steps: int) -> tuple[np.ndarray, np.ndarray]:
         """Runs `num_steps` steps on this host's stacked batches [steps_per_loop, rows, ...].
@@ -190,24 +206,18 @@ class Trainer:
         Returns:
           (losses, gradient norms) of the steps, as host arrays [num_steps].
         """
+        axes = self.task.batch_axes()
         if self.pipeline:
-            return self._pipelined_loop(host_stack, num_steps)
+            steps = [self.pipeline.to_stages({k: v[n] for k, v in host_stack.items()}, axes) for n in range(num_steps)]
+            losses, norms = self._loop(steps, num_steps)
+            return losses[:num_steps], norms[:num_steps]
         leading = 1
         if self.microbatches > 1:
-            host_stack = self.placement.split_microbatches(host_stack, self.microbatches, self.task.batch_axes(), 1)
+            host_stack = self.placement.split_microbatches(host_stack, self.microbatches, axes, 1)
             leading = 2
-        stacked = self.placement.to_global(host_stack, self.task.batch_axes(), leading_dims=leading)
+        stacked = self.placement.to_global(host_stack, axes, leading_dims=leading)
         losses, norms = self._loop(stacked, tf.constant(num_steps, tf.int32))
         return runtime.to_host(losses)[:num_steps], runtime.to_host(norms)[:num_steps]
-
-    def _pipelined_loop(self, host_stack: Mapping[str, np.ndarray], num_steps: int) -> tuple[np.ndarray, np.ndarray]:
-        """The pipeline's steps, one compiled call each (a loop over steps would span the stages' meshes)."""
-        losses, norms = [], []
-        for n in range(num_steps):
-            loss, norm = self.pipeline.train_step({k: v[n] for k, v in host_stack.items()}, self.task.batch_axes())
-            losses.append(runtime.to_host(loss))
-            norms.append(runtime.to_host(norm))
-        return np.asarray(losses, np.float32), np.asarray(norms, np.float32)
 
     def learning_rate(self) -> float:
         """The optimizer's learning rate at the current step."""

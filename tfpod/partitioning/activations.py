@@ -1,54 +1,87 @@
-"""Activation annotations inside the compiled step: GShard's split / replicate / shard.
+"""The traced step's context, and the activation annotations that read it: GShard's split / replicate / shard.
 
-Within `activation_sharding(mesh, table)` the helpers relayout an activation on the
-mesh; outside it (single-device export, plain Keras) they return their input unchanged.
+Everything that changes what a traced step computes, beyond its arguments, is one
+immutable `StepContext`: the mesh and rules table the annotations lay activations out
+on, the number of microbatches the step accumulates and which one is being traced,
+which pipeline stage's ops are being built, whether weights read gathered (the `2d`
+preset), and a stage's prefetched variable copies. A placement's compile point
+(`Placement.compile`, and `Placement.activations` for an eval step) opens it; the
+executors change one field for a block of the trace (`within`). Entering a change
+outside a step is an error, not a silent no-op; outside any step (single-device export,
+plain Keras) the annotations return their input unchanged.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import threading
-from typing import Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 import tensorflow as tf
 from tensorflow.experimental import dtensor
 
 from tfpod.partitioning.rules import layout_for
 
-# Activation annotations (GShard's split / replicate, inside the compiled step)
 
-_ACTIVE = threading.local()
+@dataclasses.dataclass(frozen=True)
+class StepContext:
+    """What a step being traced reads besides its arguments (see the module docstring).
 
-
-@contextlib.contextmanager
-def scoped(store: threading.local, name: str, value):
-    """Sets `store.<name>` to `value` inside the context, restoring what it was after (the
-    thread-local switches of partitioning: gathered weights, a pipeline stage, a microbatch)."""
-    previous = getattr(store, name, None)
-    setattr(store, name, value)
-    try:
-        yield
-    finally:
-        setattr(store, name, previous)
-
-
-@contextlib.contextmanager
-def activation_sharding(mesh: dtensor.Mesh, table: Mapping[str, str | None]):
-    """Within this context `shard`/`split`/`replicate` relayout activations on `mesh`.
-
-    Outside it (single-device export, plain Keras) they return their input unchanged.
+    Attributes:
+      mesh: the mesh activations are laid out on (a pipeline stage's, inside its stage).
+      table: the rules table (logical axis -> mesh axis).
+      microbatches: how many microbatches the step accumulates (dropout then needs `microbatch`).
+      microbatch: the microbatch being traced (an int, or the accumulation loop's int32 counter).
+      stage: the pipeline stage whose ops are being built (None: a step on one mesh).
+      gathered: weights installed by `gather_when_used` read gathered (a forward pass).
+      prefetched: {(variable id, mesh): its copy on this stage}, made before a tf.cond.
     """
-    prev = getattr(_ACTIVE, "value", None)
-    _ACTIVE.value = (mesh, dict(table))
+    mesh: dtensor.Mesh
+    table: Mapping[str, str | None]
+    microbatches: int = 1
+    microbatch: Any = None
+    stage: int | None = None
+    gathered: bool = False
+    prefetched: Mapping = dataclasses.field(default_factory=dict)
+
+
+_STEP = threading.local()
+
+
+def active_context() -> StepContext | None:
+    """The context of the step being traced, or None outside one."""
+    return getattr(_STEP, "value", None)
+
+
+@contextlib.contextmanager
+def _entered(context: StepContext | None):
+    previous = active_context()
+    _STEP.value = context
     try:
-        yield
+        yield context
     finally:
-        _ACTIVE.value = prev
+        _STEP.value = previous
 
 
-def active_context():
-    """(mesh, table) of the enclosing `activation_sharding` context, or None outside one."""
-    return getattr(_ACTIVE, "value", None)
+def activation_sharding(mesh: dtensor.Mesh, table: Mapping[str, str | None], microbatches: int = 1,
+                        **fields) -> contextlib.AbstractContextManager:
+    """A step's context on `mesh` with `table` (a placement's compile point opens it):
+    within it `shard`/`split`/`replicate` relayout activations on `mesh`."""
+    return _entered(StepContext(mesh, dict(table), microbatches, **fields))
+
+
+def within(what: str, **changes) -> contextlib.AbstractContextManager:
+    """The enclosing step's context with `changes` (StepContext fields) for a block of the trace.
+
+    Raises:
+      RuntimeError: no step is being traced (`what` would silently change nothing).
+    """
+    context = active_context()
+    if context is None:
+        raise RuntimeError(f"{what} outside a step's context: trace the step with its placement's compile point "
+                           f"(Placement.compile, or inside Placement.activations())")
+    return _entered(dataclasses.replace(context, **changes))
 
 
 def shard(x: tf.Tensor, axes: Sequence[str | None], identity_gradient: bool = False) -> tf.Tensor:
@@ -63,7 +96,7 @@ def shard(x: tf.Tensor, axes: Sequence[str | None], identity_gradient: bool = Fa
     active = active_context()
     if active is None:
         return x
-    mesh, table = active
+    mesh, table = active.mesh, active.table
     if len(axes) != x.shape.rank:
         raise ValueError(f"shard: tensor of shape {x.shape} got {len(axes)} logical axes {tuple(axes)}")
     layout = layout_for(axes, table, mesh)
@@ -82,7 +115,7 @@ def split(x: tf.Tensor, dim: int, mesh_axis: str) -> tf.Tensor:
     active = active_context()
     if active is None:
         return x
-    mesh, _ = active
+    mesh = active.mesh
     specs = [dtensor.UNSHARDED] * x.shape.rank
     if mesh_axis in mesh.dim_names:
         specs[dim] = mesh_axis
@@ -94,5 +127,4 @@ def replicate(x: tf.Tensor) -> tf.Tensor:
     active = active_context()
     if active is None:
         return x
-    mesh, _ = active
-    return dtensor.relayout(x, dtensor.Layout.replicated(mesh, x.shape.rank))
+    return dtensor.relayout(x, dtensor.Layout.replicated(active.mesh, x.shape.rank))

@@ -9,15 +9,13 @@ optimizer state takes `update_layout`.
 
 from __future__ import annotations
 
-import contextlib
-import threading
 from typing import Mapping, Sequence
 
 import tensorflow as tf
 from tensorflow.experimental import dtensor
 
 from tfpod import compat
-from tfpod.partitioning.activations import scoped
+from tfpod.partitioning.activations import active_context, within
 from tfpod.partitioning.rules import AxisRule, VarSpec, resolve
 
 # Materializing a Keras model as sharded DVariables
@@ -166,14 +164,14 @@ def update_layout(layout: dtensor.Layout, shape: Sequence[int], axis: str | None
     return layout
 
 
-_GATHERING = threading.local()
-
-
-@contextlib.contextmanager
 def gathered_weights():
-    """Within this context, weights installed by `gather_when_used` read gathered."""
-    with scoped(_GATHERING, "on", True):
-        yield
+    """Within this block of a step's trace, weights installed by `gather_when_used` read
+    gathered (a forward pass; the optimizer's update outside it reads the stored shards).
+
+    Raises:
+      RuntimeError: no step is being traced.
+    """
+    return within("gathered_weights()", gathered=True)
 
 
 def compute_layout(layout: dtensor.Layout, axis: str) -> dtensor.Layout:
@@ -205,7 +203,8 @@ def gather_when_used(variables, axis: str | None) -> list[str]:
         target = compute_layout(layout, axis)
 
         def gathered(value, _target=target):
-            return dtensor.relayout(value, _target) if getattr(_GATHERING, "on", False) else value
+            context = active_context()
+            return dtensor.relayout(value, _target) if context is not None and context.gathered else value
 
         compat.wrap_variable_reads(inner, gathered)
         names.append(var_name(inner))

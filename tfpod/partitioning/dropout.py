@@ -9,9 +9,7 @@ DTensor's per-device seeds right (see there).
 
 from __future__ import annotations
 
-import contextlib
 import functools
-import threading
 import zlib
 from typing import Sequence
 
@@ -19,7 +17,7 @@ import tensorflow as tf
 from tensorflow.experimental import dtensor
 
 from tfpod import compat
-from tfpod.partitioning.activations import active_context, scoped
+from tfpod.partitioning.activations import active_context, within
 
 
 def random_layout(shape: Sequence[int | None], mesh: dtensor.Mesh) -> dtensor.Layout:
@@ -51,21 +49,29 @@ def random_layout(shape: Sequence[int | None], mesh: dtensor.Mesh) -> dtensor.La
     return dtensor.Layout(specs, mesh)
 
 
-_MICROBATCH = threading.local()
-
-
-@contextlib.contextmanager
 def microbatch(index):
-    """Within this context dropout masks are drawn for microbatch `index` of the step (an int, or
-    the int32 loop counter of the train step's accumulation)."""
-    with scoped(_MICROBATCH, "index", index):
-        yield
+    """Within this block of a step's trace dropout masks are drawn for microbatch `index` of
+    the step (an int, or the int32 loop counter of the train step's accumulation).
+
+    Raises:
+      RuntimeError: no step is being traced.
+    """
+    return within(f"microbatch({index})", microbatch=index)
 
 
 def _step_seed(step: tf.Variable, layer_seed: int) -> tf.Tensor:
     """The stateless seed of one dropout layer at the current step (and microbatch):
-    [layer_seed + microbatch * 2^32, step]."""
-    index = getattr(_MICROBATCH, "index", None)
+    [layer_seed + microbatch * 2^32, step].
+
+    Raises:
+      RuntimeError: a step that accumulates microbatches draws a mask outside `microbatch`
+        (every microbatch would drop the same units).
+    """
+    context = active_context()
+    index = None if context is None else context.microbatch
+    if index is None and context is not None and context.microbatches > 1:
+        raise RuntimeError(f"a dropout mask drawn in a step of {context.microbatches} microbatches outside "
+                           f"partitioning.microbatch(index): each microbatch must draw its own masks")
     if index is None or isinstance(index, int):
         first = tf.constant(layer_seed + ((index or 0) << 32), tf.int64)
     else:
@@ -86,7 +92,7 @@ def _dropout(seed_fn, inputs: tf.Tensor, rate, noise_shape=None) -> tf.Tensor:
     if active is None or not shape.is_fully_defined():
         return tf.nn.experimental.stateless_dropout(inputs, rate, seed=seed_fn(), noise_shape=noise_shape)
     uniform = tf.random.stateless_uniform(shape, seed=seed_fn(), dtype=inputs.dtype)
-    uniform = dtensor.relayout(uniform, random_layout(shape.as_list(), active[0]))
+    uniform = dtensor.relayout(uniform, random_layout(shape.as_list(), active.mesh))
     keep = tf.cast(uniform >= rate, inputs.dtype)
     return inputs * tf.cast(1.0 / (1.0 - rate), inputs.dtype) * keep
 

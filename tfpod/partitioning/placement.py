@@ -22,8 +22,7 @@ import tensorflow as tf
 from tensorflow.experimental import dtensor
 
 from tfpod import UserError
-from tfpod.partitioning import stages
-from tfpod.partitioning.activations import activation_sharding
+from tfpod.partitioning.activations import activation_sharding, within
 from tfpod.partitioning.presets import Preset, get_preset
 from tfpod.partitioning.rules import ShardingConfig, check_mesh_axes, layout_for
 
@@ -138,11 +137,13 @@ class Placement:
             return self
         return dataclasses.replace(self, mesh=self.stages[index], stages=())
 
-    @contextlib.contextmanager
-    def stage_activations(self, index: int):
-        """The activation context of one stage (`activations` on its mesh, in `stages.stage_scope`)."""
-        with activation_sharding(self.stage(index).mesh, self.table), stages.stage_scope():
-            yield
+    def stage_activations(self, index: int) -> contextlib.AbstractContextManager:
+        """One stage's block of a pipelined step's trace: the step's context on the stage's mesh.
+
+        Raises:
+          RuntimeError: no step is being traced.
+        """
+        return within(f"stage_activations({index})", mesh=self.stage(index).mesh, stage=index)
 
     @classmethod
     def from_config(cls, config: ShardingConfig, default_preset: str, mesh, check: bool = True) -> Placement:
@@ -160,20 +161,22 @@ class Placement:
                             fix="map a logical axis to it with sharding.rules (e.g. {'mlp': '<axis>'})")
         return placement
 
-    def activations(self) -> contextlib.AbstractContextManager:
-        """The context in which models' activation annotations relayout on this mesh."""
-        return activation_sharding(self.mesh, self.table)
+    def activations(self, microbatches: int = 1) -> contextlib.AbstractContextManager:
+        """A step's context on this placement (partitioning.activations.StepContext): within
+        it models' activation annotations relayout on this mesh."""
+        return activation_sharding(self.mesh, self.table, microbatches)
 
-    def compile(self, fn: Callable) -> Callable:
+    def compile(self, fn: Callable, microbatches: int = 1) -> Callable:
         """`fn` as a tf.function (traced as written, no autograph) that is traced and run only
-        inside this placement's activation context: the one point where a step learns the
-        mesh and table its annotations (`shard`, `split`, `replicate`) lay activations out on.
-        The result keeps `experimental_get_tracing_count`."""
+        inside this placement's step context (`activations`): the one point where a step
+        learns the mesh and table its annotations (`shard`, `split`, `replicate`) lay
+        activations out on, and how many microbatches it accumulates. The result keeps
+        `experimental_get_tracing_count`."""
         compiled = tf.function(fn, autograph=False)
 
         @functools.wraps(fn)
         def run(*args, **kwargs):
-            with self.activations():
+            with self.activations(microbatches):
                 return compiled(*args, **kwargs)
 
         run.experimental_get_tracing_count = compiled.experimental_get_tracing_count

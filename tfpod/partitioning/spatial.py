@@ -100,7 +100,7 @@ def row_split():
     active = active_context()
     if active is None:
         return None
-    mesh, table = active
+    mesh, table = active.mesh, active.table
     axis = table.get(HEIGHT)
     if axis is None or axis not in mesh.dim_names or mesh.dim_size(axis) == 1:
         return None
@@ -279,7 +279,7 @@ def _record(layer: tf_keras.layers.Layer, y: tf.Tensor, height: int, kernel: int
     split, shards, rows = row_split(), 1, False
     active = active_context()
     if active is not None:
-        mesh, table = active
+        mesh, table = active.mesh, active.table
         batch = table.get("batch")
         shards = mesh.dim_size(batch) if batch in mesh.dim_names else 1
     if split is not None:

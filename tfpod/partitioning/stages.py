@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import threading
 from typing import Sequence
 
 import numpy as np
@@ -35,7 +34,7 @@ import tensorflow as tf
 from tensorflow.experimental import dtensor
 
 from tfpod import UserError, compat
-from tfpod.partitioning.activations import active_context, scoped
+from tfpod.partitioning.activations import active_context, within
 
 STAGE_AXIS = "stage"
 
@@ -80,19 +79,11 @@ def stage_meshes(axes: Sequence[tuple[str, int]], num_stages: int, device_type: 
             for s in range(num_stages)]
 
 
-_IN_STAGE = threading.local()
-
-
-@contextlib.contextmanager
-def stage_scope():
-    """Marks the ops built inside as one pipeline stage's, in a step spanning several meshes."""
-    with scoped(_IN_STAGE, "on", True):
-        yield
-
-
 def in_stage() -> bool:
-    """Whether the ops being built are a pipeline stage's (`stage_scope`)."""
-    return bool(getattr(_IN_STAGE, "on", False))
+    """Whether the ops being built are a pipeline stage's (Placement.stage_activations), in a
+    step spanning several meshes."""
+    context = active_context()
+    return context is not None and context.stage is not None
 
 
 def blocks_per_stage(num_blocks: int, num_stages: int, what: str = "blocks") -> int:
@@ -125,9 +116,6 @@ def moved(layout: dtensor.Layout, mesh: dtensor.Mesh) -> dtensor.Layout:
     return dtensor.Layout(list(layout.sharding_specs), mesh)
 
 
-_PREFETCHED = threading.local()
-
-
 def follow_active_mesh(variable) -> None:
     """Makes reads of a (D)Variable inside another stage's activation context copies on that stage.
 
@@ -140,19 +128,19 @@ def follow_active_mesh(variable) -> None:
 
     def reader(read):
         active = active_context()
-        if active is None or same_mesh(active[0], home.mesh):
+        if active is None or same_mesh(active.mesh, home.mesh):
             return read()
-        early = (getattr(_PREFETCHED, "values", None) or {}).get((id(inner), active[0].to_string()))
+        early = active.prefetched.get((id(inner), active.mesh.to_string()))
         if early is not None:
             return early
-        return to_mesh(read(), home.mesh, moved(home, active[0]))
+        return to_mesh(read(), home.mesh, moved(home, active.mesh))
 
     compat.intercept_variable_reads(inner, reader)
 
 
 @contextlib.contextmanager
 def prefetched(variables: Sequence, mesh: dtensor.Mesh):
-    """Within this context, reads of `variables` (made to `follow_active_mesh`) on `mesh`'s stage
+    """Within this block of a step's trace, reads of `variables` (made to `follow_active_mesh`) on `mesh`'s stage
     return copies made now, on entering it (before a tf.cond whose branches read them)."""
     values = {}
     for v in variables:
@@ -161,10 +149,12 @@ def prefetched(variables: Sequence, mesh: dtensor.Mesh):
         if not same_mesh(home.mesh, mesh):
             active = active_context()
             value = inner.read_value()  # a copy on the active stage when it is `mesh`'s (see the reader)
-            if active is None or not same_mesh(active[0], mesh):
+            if active is None or not same_mesh(active.mesh, mesh):
                 value = to_mesh(value, home.mesh, moved(home, mesh))
             values[(id(inner), mesh.to_string())] = value
-    with scoped(_PREFETCHED, "values", {**(getattr(_PREFETCHED, "values", None) or {}), **values}):
+    active = active_context()
+    before = {} if active is None else active.prefetched
+    with within("stages.prefetched", prefetched={**before, **values}):
         yield
 
 

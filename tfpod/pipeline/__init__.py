@@ -6,15 +6,16 @@
 The `stage` mesh axis splits the devices into stage sub-meshes (each with the other
 axes; tfpod.partitioning.stages), the task cuts its model into a StagedModel
 (tfpod.task: embeddings first, equal runs of blocks, output layer and loss last), each
-weight and its optimizer state are created on their stage's mesh, and one compiled step
-runs a schedule (`schedules`: GPipe or 1F1B) over `train.microbatches` microbatches,
-accumulates their gradients and applies one optimizer step (`step.Pipeline`). The
+weight and its optimizer state are created on their stage's mesh, and each step's
+executor (`step.Pipeline.loss_and_gradients`) runs a schedule (`schedules`: GPipe or
+1F1B) over `train.microbatches` microbatches and accumulates their gradients; the step
+ends in the one update every model's does (tfpod.trainer.make_train_loop). The
 presets, sequence parallelism and recomputation apply inside each stage. Without a
 `stage` axis, train.microbatches > 1 is gradient accumulation on the one mesh, for every
 model (tfpod.trainer.make_train_loop).
 
   schedules  the per-stage action orders, their timeline, bubble and peak activations
-  step       Pipeline: the compiled train step and the eval forward over the stages
+  step       Pipeline: the step's executor and the eval forward over the stages
 """
 
 from __future__ import annotations

@@ -1,19 +1,18 @@
-"""The pipelined train step and eval forward: a StagedModel run over stage sub-meshes.
+"""The pipelined step's executor and eval forward: a StagedModel run over stage sub-meshes.
 
-One tf.function holds the whole schedule. Every (stage, microbatch) forward runs under
-its own GradientTape on its stage's mesh; its output is copied to the next stage
-(`stages.to_mesh`), and its backward is that tape's gradient given the next stage's
-input gradient, so the backward reuses the forward's activations. DTensor splits the
-function into one program per mesh that run concurrently and exchange the copies, so a
-stage computes while the others do; what orders a stage's own actions is the schedule:
-each action's entry tensor (a forward's input, a backward's incoming gradient) waits on
-the previous action of that stage (`after`: a data dependency), so under 1F1B the next
-forward cannot start, and allocate, before the backward that frees a microbatch.
-
-Gradients accumulate over the microbatches; then the global norm (clipping) and the
-finiteness check are computed across the stages, and every stage applies its own
-weights' update (tfpod.optimizers.Update.apply_on_stages) before the step counter
-advances once.
+The trainer's compiled loop (tfpod.trainer.make_train_loop) calls `loss_and_gradients`
+for each step and ends it in the one update every model's step ends in
+(tfpod.optimizers.Update.step: norm, clipping, finiteness, each stage updating its own
+weights). Every (stage, microbatch) forward runs under its own GradientTape on its
+stage's mesh; its output is copied to the next stage (`stages.to_mesh`), and its
+backward is that tape's gradient given the next stage's input gradient, so the backward
+reuses the forward's activations. DTensor splits the function into one program per mesh
+that run concurrently and exchange the copies, so a stage computes while the others do;
+what orders a stage's own actions is the schedule: each action's entry tensor (a
+forward's input, a backward's incoming gradient) waits on the previous action of that
+stage (`after`: a data dependency), so under 1F1B the next forward cannot start, and
+allocate, before the backward that frees a microbatch. Gradients accumulate over the
+microbatches.
 """
 
 from __future__ import annotations
@@ -24,7 +23,7 @@ import numpy as np
 import tensorflow as tf
 from tensorflow.experimental import dtensor
 
-from tfpod import UserError, compat
+from tfpod import compat
 from tfpod.partitioning import Placement, gathered_weights, layout_for, shard, stages
 from tfpod.partitioning.dropout import microbatch
 from tfpod.pipeline import schedules
@@ -71,29 +70,28 @@ def after(x: tf.Tensor, previous: Sequence[tf.Tensor]) -> tf.Tensor:
 
 
 class Pipeline:
-    """A StagedModel over the placement's stages: its compiled train step and eval forward.
+    """A StagedModel over the placement's stages: the step's executor (its loss and
+    gradients, `loss_and_gradients`) and the eval forward.
 
     Args:
       staged: the model cut into pieces (Task.staged).
       loss_counts: the task's (Task.loss_counts): what each of `staged.loss_sums` is averaged over.
       placement: the mesh's stages (one stage: gradient accumulation over microbatches).
-      update: the optimizer update (its state created on the stages).
-      clip_norm: global-norm clipping (None or 0: off).
+      variables: the trainable variables, in the optimizer update's order (each on its stage).
       schedule: "gpipe" or "1f1b".
       microbatches: microbatches per step.
     """
 
-    def __init__(self, staged: StagedModel, loss_counts, placement: Placement, update, clip_norm: float | None,
-                 schedule: str, microbatches: int):
-        self.staged, self.loss_counts, self.placement, self.update = staged, loss_counts, placement, update
-        self.clip_norm, self.microbatches = clip_norm, microbatches
+    def __init__(self, staged: StagedModel, loss_counts, placement: Placement, variables: Sequence, schedule: str,
+                 microbatches: int):
+        self.staged, self.loss_counts, self.placement = staged, loss_counts, placement
+        self.microbatches = microbatches
         self.num_stages = p = placement.num_stages
         self.stage_blocks = stage_blocks(staged, p)
         self.meshes = [placement.stage(s).mesh for s in range(p)]
         self.order = [(s, action) for _, s, action in schedules.timeline(schedules.schedule(schedule, p, microbatches))]
-        self.variables = list(update.variables)
+        self.variables = list(variables)
         self.homes = [self.home(v) for v in self.variables]
-        self._step = tf.function(self._train_step, autograph=False)
 
     def home(self, variable) -> int:
         """The stage a variable lives on."""
@@ -125,23 +123,23 @@ class Pipeline:
         """This host's batch packed on every stage's mesh (each stage reads the features it needs)."""
         return [self.placement.stage(s).to_global(host_batch, feature_axes) for s in range(self.num_stages)]
 
-    def train_step(self, host_batch: Mapping[str, np.ndarray], feature_axes) -> tuple[tf.Tensor, tf.Tensor]:
-        """One optimizer step on this host's rows of a global batch: (loss, gradient norm) DTensors."""
+    def to_stages(self, host_batch: Mapping[str, np.ndarray], feature_axes) -> list[list[dict]]:
+        """One step's batch for `loss_and_gradients`: [stage][microbatch], each microbatch packed
+        on every stage's mesh."""
         split = self.placement.split_microbatches(host_batch, self.microbatches, feature_axes)
         # Each microbatch packed on its own (slicing one [M, rows, ...] DTensor lost the
         # layout of features with unsharded trailing dimensions, e.g. BERT's predictions).
         packed = [self.to_device({k: v[i] for k, v in split.items()}, feature_axes) for i in range(self.microbatches)]
-        return self._step([[packed[i][s] for i in range(self.microbatches)] for s in range(self.num_stages)])
-
-    @property
-    def traces(self) -> int:
-        return self._step.experimental_get_tracing_count()
+        return [[packed[i][s] for i in range(self.microbatches)] for s in range(self.num_stages)]
 
     # -- the compiled step ----------------------------------------------------------
 
-    def _train_step(self, stage_batches: Sequence[Sequence[Mapping[str, tf.Tensor]]]):
+    def loss_and_gradients(self, stage_batches: Sequence[Sequence[Mapping[str, tf.Tensor]]]) -> tuple:
+        """The executor: the schedule's forwards and backwards over stage_batches[stage][microbatch]:
+        (the step's loss on the last stage, per variable its gradient on its stage). The update
+        is the trainer's (optimizers.Update.step, with `homes`)."""
         grads, objectives = self._forwards_and_backwards(stage_batches)
-        return self._finish(grads, objectives)
+        return self._loss(objectives), grads
 
     def _forwards_and_backwards(self, stage_batches: Sequence[Sequence[Mapping[str, tf.Tensor]]]) -> tuple[list, dict]:
         """The schedule's actions on stage_batches[stage][microbatch]: (per variable its gradient summed over the microbatches,
@@ -199,27 +197,15 @@ class Pipeline:
             raise ValueError(f"pipeline: no gradient reaches {missing[:3]}")
         return grads, objectives
 
-    def _finish(self, grads: list, objectives: Mapping) -> tuple[tf.Tensor, tf.Tensor]:
-        """The step's loss (last stage) and gradient norm (first stage); clipping; the updates."""
-        p, last = self.num_stages, self.num_stages - 1
-        squares, losses = [], []
-        for s in range(p):
+    def _loss(self, objectives: Mapping) -> tf.Tensor:
+        """The step's loss, on the last stage: every (stage, microbatch) forward's own term."""
+        losses = []
+        for s in range(self.num_stages):
             with self.placement.stage_activations(s):
-                mine = [tf.reduce_sum(tf.square(tf.cast(g, tf.float32))) for g, h in zip(grads, self.homes) if h == s]
-                if mine:
-                    squares.append(self.scalar_on(tf.add_n(mine), s, 0))
                 parts = [o for (t, _), o in objectives.items() if t == s and o is not None]
                 if parts:
-                    losses.append(self.scalar_on(tf.add_n(parts), s, last))
-        norm = tf.sqrt(tf.add_n(squares))
-        loss = tf.add_n(losses)
-        finite = tf.math.is_finite(self.scalar_on(loss, last, 0)) & tf.math.is_finite(norm)
-        if self.clip_norm:
-            scale = self.clip_norm / tf.maximum(norm, self.clip_norm)
-            scales = [self.scalar_on(scale, 0, s) for s in range(p)]
-            grads = [g * tf.cast(scales[h], g.dtype) for g, h in zip(grads, self.homes)]
-        self.update.apply_on_stages(grads, self.homes, finite, self.placement)
-        return loss, norm
+                    losses.append(self.scalar_on(tf.add_n(parts), s, self.num_stages - 1))
+        return tf.add_n(losses)
 
     # -- evaluation ---------------------------------------------------------------
 
