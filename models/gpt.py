@@ -181,9 +181,17 @@ class GPT(tf_keras.Model):
         """
         return choose_lookup(self.token_embedding)(ids)
 
+    def output_table(self) -> tf.Variable:
+        """The output layer's [vocab, embed] table: the token embedding (tied)."""
+        return self.token_embedding.embeddings
+
+    def stage_layers(self) -> tuple[tuple, tuple]:
+        """(the layers a pipeline's first stage holds besides its blocks, the last stage's)."""
+        return (self.token_embedding, self.position_embedding), (self.final_norm,)
+
     def output_logits(self, x: tf.Tensor) -> tf.Tensor:
-        """Float32 logits [batch, length, vocab] of x [batch, length, embed], tied to the embedding."""
-        table = tf.cast(self.token_embedding.embeddings, x.dtype)  # [vocab, embed]
+        """Float32 logits [batch, length, vocab] of x [batch, length, embed] (the output table's)."""
+        table = tf.cast(self.output_table(), x.dtype)  # [vocab, embed]
         flat = tf.reshape(x, [-1, x.shape[-1]])  # [batch * length, embed]
         logits = tf.matmul(flat, table, transpose_b=True)  # [batch * length, vocab]
         logits = tf.reshape(logits, leading_dims(x, 2) + [self.config.vocab_size])
@@ -220,25 +228,28 @@ class Projection(tf_keras.layers.Layer):
     the einsums an EinsumDense differentiates into (docs/benchmarks.md).
     """
 
-    def __init__(self, in_dims, out_dims, kernel_initializer, **kwargs):
+    def __init__(self, in_dims, out_dims, kernel_initializer, use_bias: bool = True, **kwargs):
         super().__init__(**kwargs)
         self.in_dims, self.out_dims = tuple(in_dims), tuple(out_dims)
-        self.kernel_initializer = kernel_initializer
+        self.kernel_initializer, self.use_bias = kernel_initializer, use_bias
 
     def build(self, input_shape):
         self.kernel = self.add_weight("kernel", self.in_dims + self.out_dims, initializer=self.kernel_initializer)
-        self.bias = self.add_weight("bias", self.out_dims, initializer="zeros")
+        if self.use_bias:
+            self.bias = self.add_weight("bias", self.out_dims, initializer="zeros")
         super().build(input_shape)
 
     def call(self, x):
         lead = x.shape[: x.shape.rank - len(self.in_dims)]
         n_in, n_out = _prod(self.in_dims), _prod(self.out_dims)
         flat = tf.reshape(x, [-1, n_in])  # [tokens, prod(in_dims)]
-        y = tf.nn.bias_add(tf.matmul(flat, tf.reshape(self.kernel, [n_in, n_out])), tf.reshape(self.bias, [n_out]))
+        y = tf.matmul(flat, tf.reshape(self.kernel, [n_in, n_out]))
+        if self.use_bias:
+            y = tf.nn.bias_add(y, tf.reshape(self.bias, [n_out]))
         return tf.reshape(y, leading_dims(x, len(lead)) + list(self.out_dims))  # [..., *out_dims]
 
     def get_config(self):
-        return {**super().get_config(), "in_dims": self.in_dims, "out_dims": self.out_dims}
+        return {**super().get_config(), "in_dims": self.in_dims, "out_dims": self.out_dims, "use_bias": self.use_bias}
 
 
 class CausalSelfAttention(tf_keras.layers.Layer):
@@ -412,8 +423,8 @@ def loss_counts(batch: dict) -> list:
 
 
 def head_terms(model: GPT, x: tf.Tensor, batch: dict) -> LossTerms:
-    """The loss terms of the final hidden states x [batch, length, embed] (the tied output layer's)."""
-    table = model.token_embedding.embeddings
+    """The loss terms of the final hidden states x [batch, length, embed] (the output table's)."""
+    table = model.output_table()
     if rows_split(table):
         sums = loss_from_logits(model.output_logits(x), batch)
     else:
@@ -431,8 +442,8 @@ def staged(model: GPT) -> StagedModel:
         outputs=lambda x, batch: model.output_logits(model.final_hidden(x)),
         loss_sums=lambda x, batch, training: head_terms(model, model.final_hidden(x), batch).sums,
         activation_axes=ACTIVATION_AXES,
-        first_layers=(model.token_embedding, model.position_embedding),
-        last_layers=(model.final_norm,),
+        first_layers=model.stage_layers()[0],
+        last_layers=model.stage_layers()[1],
     )
 
 

@@ -44,7 +44,7 @@ import tf_keras
 from tfpod import UserError, fused, partitioning
 from tfpod.input import lm_data
 from tfpod.models import gpt, lm_serving, plan_profiles
-from tfpod.partitioning import AxisRule, shard, stages
+from tfpod.partitioning import AxisRule, shard
 from tfpod.task import LossTerms
 
 NAME = "moe"
@@ -181,12 +181,6 @@ def top2_gating(logits: tf.Tensor, capacity: int):
     return combine_1 + combine_2, dispatch_1 + dispatch_2, aux_loss
 
 
-def _shard(x: tf.Tensor, axes) -> tf.Tensor:
-    """`shard`; in a pipeline stage with its gradient passed through as it comes (see
-    tfpod.partitioning.shard: DTensor's own fails after the grouping reshape there)."""
-    return shard(x, axes, identity_gradient=stages.in_stage())
-
-
 class MoEMLP(tf_keras.layers.Layer):
     """GShard top-2 mixture-of-experts MLP: [batch, length, embed] -> ([batch, length, embed], aux_loss).
 
@@ -224,25 +218,25 @@ class MoEMLP(tf_keras.layers.Layer):
     def route(self, grouped: tf.Tensor):
         """Gating of grouped tokens [batch, groups, group_size, embed]; see top2_gating."""
         logits = tf.einsum("bgsm,mx->bgsx", tf.cast(grouped, tf.float32), self.gate_kernel)
-        combine, dispatch, aux_loss = top2_gating(_shard(logits, ROUTING_AXES[:4]), self.capacity)
-        return _shard(combine, ROUTING_AXES), _shard(dispatch, ROUTING_AXES), aux_loss
+        combine, dispatch, aux_loss = top2_gating(shard(logits, ROUTING_AXES[:4]), self.capacity)
+        return shard(combine, ROUTING_AXES), shard(dispatch, ROUTING_AXES), aux_loss
 
     def dispatch(self, grouped: tf.Tensor, dispatch: tf.Tensor) -> tf.Tensor:
         """Tokens to expert slots: [experts, batch, groups, capacity, embed], split over experts (all-to-all)."""
         expert_in = tf.einsum("bgsxc,bgsm->xbgcm", tf.cast(dispatch, grouped.dtype), grouped)
-        return _shard(expert_in, EXPERT_AXES)
+        return shard(expert_in, EXPERT_AXES)
 
     def experts(self, expert_in: tf.Tensor) -> tf.Tensor:
         """Each expert's MLP on its slots: [experts, batch, groups, capacity, embed] -> the same shape."""
         hidden = tf.einsum("xbgcm,xmh->xbgch", expert_in, self.wi)  # [experts, batch, groups, capacity, mlp]
-        hidden = _shard(self.activation(hidden), EXPERT_HIDDEN_AXES)
-        return _shard(tf.einsum("xbgch,xhm->xbgcm", hidden, self.wo), EXPERT_AXES)
+        hidden = shard(self.activation(hidden), EXPERT_HIDDEN_AXES)
+        return shard(tf.einsum("xbgch,xhm->xbgcm", hidden, self.wo), EXPERT_AXES)
 
     def combine(self, expert_out: tf.Tensor, combine: tf.Tensor) -> tf.Tensor:
         """Expert outputs back to the tokens (reverse all-to-all), weighted by their gates: [b, g, s, embed]."""
-        expert_out = _shard(expert_out, RETURN_AXES)  # the split moves from experts back to groups
+        expert_out = shard(expert_out, RETURN_AXES)  # the split moves from experts back to groups
         grouped = tf.einsum("bgsxc,xbgcm->bgsm", tf.cast(combine, expert_out.dtype), expert_out)
-        return _shard(grouped, GROUPED_AXES)
+        return shard(grouped, GROUPED_AXES)
 
     def _check_groups_divide(self, groups: int) -> None:
         """Raises UserError when the groups of a sequence do not split over the experts' mesh axis.
@@ -267,7 +261,7 @@ class MoEMLP(tf_keras.layers.Layer):
         length, embed = x.shape[-2], x.shape[-1]
         self._check_groups_divide(length // self.group_size)
         grouped = tf.reshape(x, [-1, length // self.group_size, self.group_size, embed])  # [b, g, s, embed]
-        grouped = _shard(grouped, GROUPED_AXES)
+        grouped = shard(grouped, GROUPED_AXES)
         combine, dispatch, aux_loss = self.route(grouped)
         y = self.combine(self.experts(self.dispatch(grouped, dispatch)), combine)
         return tf.reshape(y, [-1, length, embed]), aux_loss  # [batch, length, embed]

@@ -10,6 +10,8 @@ and convolutional networks from the layer outputs their lazy build recorded
 
 from __future__ import annotations
 
+import dataclasses
+
 from tfpod.plan import profile
 from tfpod.plan.profile import Collective, Profile, Tensor
 
@@ -31,6 +33,15 @@ def gpt(config, outputs=(), flops=None, mlp_share: float = 1.0, extra_saved=(), 
         outside_saved=profile.lm_outside(s, e, config.vocab_size, one_hot_lookup=True),
         # the vocab-parallel lookup's and logits' sums over the vocabulary shards
         outside_collectives=[Collective(Tensor(STREAM, (s, e)), "vocab")], tokens_per_example=s)
+
+
+def llama(config, outputs=(), flops=None) -> Profile:
+    """The Llama family: gpt's, with SwiGLU's third [length, mlp] tensor (gate, up and their
+    product are kept). Grouped-query attention keeps its keys and values repeated to every
+    query head, as gpt's are."""
+    base = gpt(config, outputs, flops)
+    mlp = Tensor(("length", "mlp"), (config.seq_len, config.mlp_dim), 1)
+    return dataclasses.replace(base, block_saved=base.block_saved + [mlp])
 
 
 def moe(config, outputs=(), flops=None) -> Profile:

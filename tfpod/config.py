@@ -32,7 +32,7 @@ class ExperimentConfig:
     """Which model and mesh. Attributes map 1:1 to gin `experiment.<name>`.
 
     Attributes:
-      model: the task (tfpod.models.TASKS: gpt, moe, bert, transformer, resnet, ssd).
+      model: the task (tfpod.models.TASKS: gpt, moe, llama, bert, transformer, resnet, ssd).
       mesh: the mesh spec when --mesh is not given (e.g. data:-1,model:2; -1 fills the rest).
     """
 

@@ -67,6 +67,28 @@ def gelu(x: tf.Tensor):
     return y, grad
 
 
+@tf.custom_gradient
+def swiglu(gate: tf.Tensor, up: tf.Tensor):
+    """silu(gate) * up (Llama's MLP), computed in float32 whatever the inputs' dtype.
+
+    tf.nn.silu's own gradient captures its beta, which DTensor's lowering refuses inside
+    the train loop ("operand #0 does not dominate this use"); here the backward
+    recomputes the sigmoid: d gate = dy * up * s * (1 + gate * (1 - s)), d up = dy * silu(gate).
+    """
+    with scope():
+        gf, uf = tf.cast(gate, tf.float32), tf.cast(up, tf.float32)
+        y = tf.cast(gf * tf.sigmoid(gf) * uf, gate.dtype)
+
+    def grad(dy):
+        with scope():
+            gf, uf, dyf = tf.cast(gate, tf.float32), tf.cast(up, tf.float32), tf.cast(dy, tf.float32)
+            s = tf.sigmoid(gf)
+            return (tf.cast(dyf * uf * s * (1.0 + gf * (1.0 - s)), gate.dtype),
+                    tf.cast(dyf * gf * s, up.dtype))
+
+    return y, grad
+
+
 def activation(name):
     """A Keras activation by name, with "gelu" (exact) as the fused `gelu` and
     "gelu_approximate" the tanh form (GPT-2's gelu_new)."""

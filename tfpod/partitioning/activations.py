@@ -84,22 +84,24 @@ def within(what: str, **changes) -> contextlib.AbstractContextManager:
     return _entered(dataclasses.replace(context, **changes))
 
 
-def shard(x: tf.Tensor, axes: Sequence[str | None], identity_gradient: bool = False) -> tf.Tensor:
+def shard(x: tf.Tensor, axes: Sequence[str | None], identity_gradient: bool | None = None) -> tf.Tensor:
     """Annotates an activation with logical axes, one per dimension (GShard `shard`).
 
     `identity_gradient`: the gradient passes through as it comes instead of DTensor's
     own (RelayoutLike), which fails SPMD expansion downstream of a reshape in a step
     spanning several meshes (a pipeline's; "'tf.Reshape' op CopyToMeshOp must be used to
     send data across mesh"). The values are the same; DTensor lays the gradient out where
-    it is used.
+    it is used. Default (None): inside a pipeline stage's block of the trace.
     """
     active = active_context()
     if active is None:
         return x
     mesh, table = active.mesh, active.table
+    if identity_gradient is None:
+        identity_gradient = active.stage is not None
     if len(axes) != x.shape.rank:
         raise ValueError(f"shard: tensor of shape {x.shape} got {len(axes)} logical axes {tuple(axes)}")
-    layout = layout_for(axes, table, mesh)
+    layout = layout_for(axes, table, mesh, x.shape.as_list())
     if not identity_gradient:
         return dtensor.relayout(x, layout)
 

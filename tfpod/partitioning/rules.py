@@ -19,7 +19,11 @@ from tensorflow.experimental import dtensor
 from tfpod import UserError
 from tfpod.partitioning.presets import get_preset
 
-LOGICAL_AXES = ("batch", "length", "sequence", "height", "embed", "heads", "kv", "mlp", "vocab", "expert")
+LOGICAL_AXES = ("batch", "length", "sequence", "height", "embed", "heads", "kv_heads", "kv", "mlp", "vocab", "expert")
+# Logical axes whose dimension is replicated where it does not divide over its mesh axis
+# instead of refused: grouped-query attention's key/value heads (Megatron replicates them
+# when the tensor-parallel size exceeds their count).
+SPLIT_WHEN_DIVISIBLE = ("kv_heads",)
 
 AxisNames = tuple  # tuple[str | None, ...]: one logical axis (or None) per dimension
 
@@ -27,10 +31,15 @@ AxisNames = tuple  # tuple[str | None, ...]: one logical axis (or None) per dime
 
 @dataclasses.dataclass(frozen=True)
 class AxisRule:
-    """Variables whose name matches `pattern` (re.fullmatch) have these logical axes."""
+    """Variables whose name matches `pattern` (re.fullmatch) have these logical axes.
+
+    `optional`: the rule is for a weight some configurations leave out (Qwen2's query/key/
+    value biases, an untied output layer), so matching no variable is not an error.
+    """
 
     pattern: str
     axes: AxisNames
+    optional: bool = False
 
     def __post_init__(self):
         try:
@@ -109,16 +118,22 @@ def check_mesh_axes(mesh: dtensor.Mesh, table: Mapping[str, str | None], also_us
             )
 
 
-def layout_for(axes: Sequence[str | None], table: Mapping[str, str | None], mesh: dtensor.Mesh) -> dtensor.Layout:
+def layout_for(axes: Sequence[str | None], table: Mapping[str, str | None], mesh: dtensor.Mesh,
+               shape: Sequence[int | None] | None = None) -> dtensor.Layout:
     """The DTensor layout of a tensor whose dimensions have these logical axes.
 
     A logical axis mapped to a mesh axis the mesh lacks is replicated; a mesh axis
-    already used by an earlier dimension of the same tensor is not used again.
+    already used by an earlier dimension of the same tensor is not used again; with the
+    tensor's `shape`, a dimension of a SPLIT_WHEN_DIVISIBLE axis that does not divide is
+    replicated.
     """
     used = set()
     specs = []
-    for a in axes:
+    for i, a in enumerate(axes):
         mesh_axis = table.get(a) if a is not None else None
+        if (a in SPLIT_WHEN_DIVISIBLE and shape is not None and mesh_axis in mesh.dim_names and shape[i]
+                and shape[i] % mesh.dim_size(mesh_axis)):
+            mesh_axis = None
         if mesh_axis is not None and mesh_axis in mesh.dim_names and mesh_axis not in used:
             used.add(mesh_axis)
             specs.append(mesh_axis)
@@ -182,7 +197,7 @@ def resolve(
                 f"variable {s.name} {shape_text(s.shape)} has rank {len(s.shape)} but rule "
                 f"{rule.pattern!r} gives {len(rule.axes)} logical axes {rule.axes}: give one axis per dimension"
             )
-        layout = layout_for(rule.axes, table, mesh)
+        layout = layout_for(rule.axes, table, mesh, s.shape)
         for dim, (size, mesh_axis) in enumerate(zip(s.shape, layout.sharding_specs)):
             if mesh_axis != dtensor.UNSHARDED and size % mesh.dim_size(mesh_axis):
                 raise UserError(
@@ -192,7 +207,7 @@ def resolve(
                     f"{rule.axes[dim]!r} to no mesh axis in sharding.rules"
                 )
         layouts[s.name] = layout
-    unused = [r for r in axis_rules if r not in used_rules]
+    unused = [r for r in axis_rules if r not in used_rules and not r.optional]
     if unused:
         raise UserError(
             f"sharding rule {unused[0].pattern!r} {unused[0].axes} matches no variable: fix its "

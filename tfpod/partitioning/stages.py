@@ -79,13 +79,6 @@ def stage_meshes(axes: Sequence[tuple[str, int]], num_stages: int, device_type: 
             for s in range(num_stages)]
 
 
-def in_stage() -> bool:
-    """Whether the ops being built are a pipeline stage's (Placement.stage_activations), in a
-    step spanning several meshes."""
-    context = active_context()
-    return context is not None and context.stage is not None
-
-
 def blocks_per_stage(num_blocks: int, num_stages: int, what: str = "blocks") -> int:
     """Blocks each stage holds; a count the stages do not divide is one UserError."""
     if num_blocks % num_stages:

@@ -16,10 +16,11 @@ from typing import Collection, Mapping
 
 from tfpod import UserError
 
-# Megatron-LM's tensor parallelism: attention heads and the MLP's hidden units over `model`
+# Megatron-LM's tensor parallelism: attention heads (and grouped-query attention's key/value
+# heads where they divide, else replicated) and the MLP's hidden units over `model`
 # (column-parallel into a block, row-parallel out of it), the vocabulary over `model`
 # (vocab-parallel embedding and output layer), MoE experts over `expert`.
-MEGATRON = {"heads": "model", "mlp": "model", "vocab": "model", "expert": "expert"}
+MEGATRON = {"heads": "model", "kv_heads": "model", "mlp": "model", "vocab": "model", "expert": "expert"}
 
 
 @dataclasses.dataclass(frozen=True)
