@@ -81,8 +81,6 @@ class BertDataConfig(DataConfig):
       shuffle_buffer: examples in the shuffle buffer (0: no shuffling).
       cycle_length: files read at once per host.
       skip_corrupt: skip unreadable TFRecord data (TensorFlow logs each skip) instead of stopping.
-      max_eval_examples: evaluate at most this many examples (split evenly over hosts;
-        MLPerf evaluates 10,000); None: the whole eval split.
       data_dir: where the default corpus is prepared (None: $TFPOD_DATA_DIR or the user cache).
     """
 
@@ -95,7 +93,6 @@ class BertDataConfig(DataConfig):
     lower_case: bool = True
     mask_rate: float = 0.15
     skip_corrupt: bool = False
-    max_eval_examples: int | None = None
 
     def __post_init__(self):
         super().__post_init__()
@@ -103,8 +100,6 @@ class BertDataConfig(DataConfig):
             raise UserError(f"bert_data.format={self.format!r}: use one of {', '.join(FORMATS)}")
         if not 0.0 < self.mask_rate <= 1.0:
             raise UserError(f"bert_data.mask_rate={self.mask_rate} must be in (0, 1] (BERT: 0.15)")
-        if self.max_eval_examples is not None and self.max_eval_examples < 1:
-            raise UserError(f"bert_data.max_eval_examples={self.max_eval_examples} must be at least 1 (or None: all)")
 
     @property
     def masked_online(self) -> bool:

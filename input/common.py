@@ -143,6 +143,8 @@ class DataConfig:
       shuffle_buffer: training examples in the shuffle buffer (0: no shuffling).
       cycle_length: files read at once per host.
       data_dir: where the demo data is prepared (None: tfpod's cache folder).
+      max_eval_examples: evaluate at most this many examples (split evenly over hosts: the
+        first ones of each host's share); None: the whole eval split.
     """
 
     gin_name: ClassVar[str] = "data"  # its gin name, for messages (a subclass's own)
@@ -152,8 +154,12 @@ class DataConfig:
     shuffle_buffer: int = 1024
     cycle_length: int = 4
     data_dir: str | None = None
+    max_eval_examples: int | None = None
 
     def __post_init__(self):
+        if self.max_eval_examples is not None and self.max_eval_examples < 1:
+            raise UserError(f"{self.gin_name}.max_eval_examples={self.max_eval_examples} must be at least 1 (or None: "
+                            "the whole eval split)")
         if self.shuffle_buffer < 0:
             raise UserError(f"{self.gin_name}.shuffle_buffer={self.shuffle_buffer} must be >= 0 (0: no shuffling)")
         if self.cycle_length < 1:

@@ -108,8 +108,6 @@ class DetectionDataConfig(DataConfig):
       photometric: jitter training images' brightness, contrast, saturation and hue.
       shuffle_buffer: records in the training shuffle buffer (0: no shuffling).
       cycle_length: files read at once per host.
-      max_eval_examples: evaluate at most this many images (split evenly over hosts);
-        None: the whole eval split.
       data_dir: where the demo set is prepared (None: see input/detection_demo.py).
     """
 
@@ -121,16 +119,12 @@ class DetectionDataConfig(DataConfig):
     random_crop: bool = True
     random_flip: bool = True
     photometric: bool = True
-    max_eval_examples: int | None = None
 
     def __post_init__(self):
         super().__post_init__()
         if self.max_boxes < 1:
             raise UserError(f"detection_data.max_boxes={self.max_boxes} must be at least 1 (COCO images have up to 93 "
                             "boxes; 100 is usual)")
-        if self.max_eval_examples is not None and self.max_eval_examples < 1:
-            raise UserError(f"detection_data.max_eval_examples={self.max_eval_examples} must be at least 1 (or None: "
-                            "all)")
         if self.eval_files and not self.train_files:
             raise UserError("detection_data.eval_files is set without detection_data.train_files: set both, or "
                             "neither for the shapes demo set")

@@ -263,6 +263,8 @@ def image_dataset(cfg: ImageDataConfig, pattern: str, image_size: int, num_class
         return {"images": image, "labels": label, "weights": tf.constant(1.0)}
 
     ds = ds.enumerate().map(parse, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
+    if not training:
+        ds = records.host_share(ds, cfg.max_eval_examples, shard)
     return records.batched(ds, host_rows, training)
 
 

@@ -307,7 +307,7 @@ def lm_dataset(cfg: LMDataConfig, pattern: str, vocab_path: str | None, seq_len:
             )
         ds = text.tokenize(documents(plan, cfg, seed, repeat), tokenizer, eos_id=cfg.eos)
     if not repeat:  # evaluation: rows independent of how files split over hosts
-        ds = text.pack_documents(ds, seq_len, pad_id=prepare.PAD_ID)
+        ds = records.host_share(text.pack_documents(ds, seq_len, pad_id=prepare.PAD_ID), cfg.max_eval_examples, shard)
     elif cfg.packing == "concat":
         ds = text.pack_concat(ds, seq_len)
     else:

@@ -92,8 +92,6 @@ class TranslationDataConfig(DataConfig):
       shuffle_buffer: training pairs in the shuffle buffer (0: no shuffling).
       cycle_length: files read at once per host.
       skip_corrupt: skip unreadable TFRecord data (TensorFlow logs each skip) instead of stopping.
-      max_eval_examples: evaluate at most this many examples (split evenly over hosts);
-        None: the whole eval split.
       data_dir: where the demo set is prepared (None: see the module docstring).
     """
 
@@ -107,7 +105,6 @@ class TranslationDataConfig(DataConfig):
     eval_max_length: int | None = None
     shuffle_buffer: int = 4096
     skip_corrupt: bool = False
-    max_eval_examples: int | None = None
 
     def __post_init__(self):
         super().__post_init__()
@@ -119,9 +116,6 @@ class TranslationDataConfig(DataConfig):
         if self.eval_max_length is not None and self.eval_max_length < 2:
             raise UserError(f"translation_data.eval_max_length={self.eval_max_length} must be at least 2 (a token "
                             "and EOS), or None: the model's lengths")
-        if self.max_eval_examples is not None and self.max_eval_examples < 1:
-            raise UserError(f"translation_data.max_eval_examples={self.max_eval_examples} must be at least 1 (or "
-                            "None: all)")
         if self.shuffle_buffer < 0 or self.cycle_length < 1:
             raise UserError(f"translation_data.shuffle_buffer={self.shuffle_buffer} must be >= 0 and "
                             f"translation_data.cycle_length={self.cycle_length} >= 1")

@@ -283,3 +283,63 @@ def test_model_garden_tf2_and_google_tf1_bert_checkpoints_import_with_model_gard
     pooled = outputs["pooled_output"].numpy()
     nsp_expected = pooled @ google["cls/seq_relationship/output_weights"].T + google["cls/seq_relationship/output_bias"]
     assert np.max(np.abs(nsp.numpy() - nsp_expected)) <= 1e-4
+
+
+MISTRAL = dict(vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+               num_key_value_heads=2, max_position_embeddings=32, sliding_window=None, rope_theta=500000.0,
+               rms_norm_eps=1e-6, tie_word_embeddings=False)
+
+
+def test_mistral_and_llama_folders_import_with_transformers_logits_and_export_back(tmp_path):
+    """A random TFMistralForCausalLM written as a MistralForCausalLM folder, and its weights as a
+    LlamaForCausalLM folder (config.json from transformers' LlamaConfig), import with its logits;
+    the Llama import splits its heads over model:2 (key/value heads too) and trains on; the export
+    is read back by transformers with tfpod's logits."""
+    tf.keras.utils.set_random_seed(0)
+    model = transformers.TFMistralForCausalLM(transformers.MistralConfig(**MISTRAL))
+    ids = np.random.default_rng(0).integers(0, MISTRAL["vocab_size"], size=(2, 32)).astype(np.int32)
+    logits = model(ids).logits.numpy()
+    tensors = write_hub_folder(model, tmp_path / "mistral", "MistralForCausalLM")
+    llama_config = transformers.LlamaConfig(**{k: v for k, v in MISTRAL.items() if k != "sliding_window"},
+                                            architectures=["LlamaForCausalLM"])
+    hublib.write_folder(str(tmp_path / "llama"), json.loads(llama_config.to_json_string()), sorted(tensors.items()))
+    for name, mesh in (("mistral", None), ("llama", "data:4,model:2")):
+        convert.import_hub(str(tmp_path / name), str(tmp_path / f"{name}_run"), mesh_spec=mesh)
+        c, ours = single_device(tmp_path / f"{name}_run")
+        assert (c.task.name, c.model.num_kv_heads, c.model.tie_embeddings) == ("llama", 2, False)
+        np.testing.assert_allclose(ours({"inputs": tf.constant(ids)}).numpy(), logits, atol=1e-4, rtol=0)
+
+    run, out = tmp_path / "llama_run", tmp_path / "out"
+    tuned = main_py(f"--model_dir={run}", "--gin_param=train.steps=2", "--cpu_devices=2", "--mesh=data:1,model:2",
+                    "--gin_param=train.synthetic_data=True", "--gin_param=train.steps_per_loop=1",
+                    "--gin_param=optimizer.learning_rate=1e-2", "--gin_param=optimizer.warmup_steps=0")
+    assert tuned.returncode == 0, tuned.stderr
+    convert.export_hub(str(run), str(out))
+    assert json.load(open(out / "config.json"))["architectures"] == ["LlamaForCausalLM"]
+    back = transformers.TFMistralForCausalLM.from_pretrained(str(out))
+    _, ours = single_device(run)
+    mine = ours({"inputs": tf.constant(ids)}).numpy()
+    np.testing.assert_allclose(back(ids).logits.numpy(), mine, atol=1e-4, rtol=0)
+    assert np.abs(mine - logits).max() > 1e-3  # the two steps moved the weights
+
+
+def test_llama_configs_tfpod_cannot_run_are_one_line_naming_each_value(tmp_path):
+    """Llama 3.1's rope_scaling imports as the llama.rope_* knobs; values tfpod cannot run are
+    reported together in one line, and a config.json missing a field is one line too."""
+    from tfpod.convert import llama as llama_family
+
+    base = dict(model_type="llama", vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=1, max_position_embeddings=64)
+    c = llama_family.model_config({**base, "rope_theta": 500000.0, "rope_scaling": {
+        "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192}})
+    assert (c.rope_scaling_factor, c.rope_original_len, c.num_kv_heads, c.rope_theta) == (8.0, 8192, 1, 500000.0)
+    assert llama_family.hub_config(c)["rope_scaling"]["rope_type"] == "llama3"
+    with pytest.raises(UserError) as e:
+        llama_family.model_config({**base, "hidden_act": "gelu", "sliding_window": 16,
+                                   "rope_scaling": {"type": "yarn", "factor": 4.0}})
+    assert len(str(e.value).splitlines()) == 1
+    for part in ("hidden_act='gelu'", "sliding_window=16 below max_position_embeddings=64", "'yarn'"):
+        assert part in str(e.value)
+    with pytest.raises(UserError, match=r"^config.json: hidden_size, num_hidden_layers missing"):
+        llama_family.model_config({k: v for k, v in base.items() if k not in ("hidden_size", "num_hidden_layers")})

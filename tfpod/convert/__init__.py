@@ -1,4 +1,4 @@
-"""Published checkpoints in and out: Hugging Face GPT-2 and BERT.
+"""Published checkpoints in and out: Hugging Face GPT-2, BERT, Llama and Mistral.
 
     python -m tfpod.convert import --hf=DIR --model_dir=D [--mesh=... --cpu_devices=N]
     python main.py --model_dir=D [--gin_param=...]          # fine-tune: D/config.gin holds the model
@@ -8,6 +8,7 @@
   params  Param: one Hub tensor <-> tfpod variable(s), with both conversions
   gpt2    GPT2LMHeadModel <-> gpt
   bert    BertForPreTraining, BertForMaskedLM, BertModel <-> bert
+  llama   LlamaForCausalLM, MistralForCausalLM <-> llama (Llama 3.1's rope_scaling too)
   run     import_hub (build the run on its mesh, fill it, step-0 checkpoint, config.gin), export_hub
 
 A new family is a module like gpt2.py (model_type, config mapping both ways, its Params)

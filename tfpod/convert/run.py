@@ -17,12 +17,12 @@ import os
 import shutil
 
 from tfpod import UserError, api, checkpoint, compat, config
-from tfpod.convert import bert, gpt2, hub as hublib
+from tfpod.convert import bert, gpt2, hub as hublib, llama
 from tfpod.convert.params import Param
 
 log = logging.getLogger("tfpod")
 
-FAMILIES = {gpt2.MODEL_TYPE: gpt2, bert.MODEL_TYPE: bert}
+FAMILIES = {gpt2.MODEL_TYPE: gpt2, bert.MODEL_TYPE: bert, **{t: llama for t in llama.MODEL_TYPES}}
 BASE_GIN = "run/base.gin"  # the run defaults every experiment includes (tfpod's gin/ folder)
 
 
@@ -188,7 +188,7 @@ def export_hub(model_dir: str, out: str, checkpoint_prefix: str | None = None) -
     family = next((f for f in FAMILIES.values() if f.TASK == c.task.name), None)
     if family is None:
         raise UserError(f"model {c.task.name!r} has no Hugging Face equivalent: export reads "
-                        f"{', '.join(f.TASK for f in FAMILIES.values())}")
+                        f"{', '.join(sorted({f.TASK for f in FAMILIES.values()}))}")
     path = export_lib.checkpoint_path(model_dir, checkpoint_prefix)
     model = export_lib.single_device_model(c.task, c.model, path)
     values = {w.name.split(":")[0]: w for w in model.weights}
