@@ -343,3 +343,9 @@ def test_llama_configs_tfpod_cannot_run_are_one_line_naming_each_value(tmp_path)
         assert part in str(e.value)
     with pytest.raises(UserError, match=r"^config.json: hidden_size, num_hidden_layers missing"):
         llama_family.model_config({k: v for k, v in base.items() if k not in ("hidden_size", "num_hidden_layers")})
+    from tfpod.convert import bert as bert_family, gpt2 as gpt2_family  # every family: one line, not a KeyError
+
+    with pytest.raises(UserError, match=r"^config.json: n_embd, n_layer missing: is it a GPT2LMHeadModel config"):
+        gpt2_family.model_config({"vocab_size": 96, "n_head": 4})
+    with pytest.raises(UserError, match=r"^config.json: num_attention_heads missing"):
+        bert_family.model_config({k: v for k, v in {**base, "model_type": "bert"}.items() if k != "num_attention_heads"})

@@ -72,6 +72,17 @@ def test_not_divisible_names_variable_shape_rule_and_axis(mesh):
     assert "m/mlp/kernel (16, 33)" in msg and "size 33" in msg and "'model' of size 2" in msg and ".*mlp/kernel" in msg
 
 
+def test_every_dimension_that_does_not_divide_is_named_in_one_error(mesh):
+    """All at once (one run to learn them all), grouped by logical axis, size and mesh axis."""
+    specs = [VarSpec(f"m/block_{i}/mlp/kernel", (16, 33)) for i in range(3)] + [VarSpec("m/emb", (51, 16))]
+    rules = [AxisRule(r".*mlp/kernel", ("embed", "mlp")), AxisRule(r"m/emb", ("vocab", "embed"))]
+    with pytest.raises(UserError) as e:
+        resolve(specs, rules, TENSOR, mesh)
+    msg = _one_line(e)
+    assert "m/block_0/mlp/kernel (16, 33)" in msg and "(and 2 more variable(s) alike)" in msg
+    assert "m/emb (51, 16): dimension 0 (vocab, size 51)" in msg and "map 'mlp', 'vocab' to no mesh axis" in msg
+
+
 def test_variable_matched_by_two_rules(mesh):
     rules = [AxisRule(r".*/kernel", ("embed", "mlp")), AxisRule(r".*/mlp/.*", ("embed", "mlp"))]
     with pytest.raises(UserError) as e:

@@ -15,7 +15,7 @@ import re
 
 from tfpod import UserError
 from tfpod.convert.gpt2 import ACTIVATIONS, TO_HUB_ACTIVATION
-from tfpod.convert.params import Param, layer_norm, linear, reshaped, same
+from tfpod.convert.params import Param, layer_norm, linear, require, reshaped, same
 from tfpod.models import bert
 
 MODEL_TYPE = "bert"
@@ -30,6 +30,8 @@ POOLER = "bert/encoder/pooler_transform/"
 
 def model_config(hub: dict) -> bert.BertConfig:
     """tfpod's BertConfig of a BERT config.json (one UserError for what tfpod cannot run)."""
+    require(hub, ("vocab_size", "num_hidden_layers", "hidden_size", "num_attention_heads", "intermediate_size"),
+            ARCHITECTURES)
     act = hub.get("hidden_act", "gelu")
     if act not in ACTIVATIONS:
         raise UserError(f"config.json: hidden_act={act!r} is not supported: use one of {', '.join(ACTIVATIONS)}")

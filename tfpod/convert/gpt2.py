@@ -13,7 +13,7 @@ import logging
 import re
 
 from tfpod import UserError
-from tfpod.convert.params import Param, layer_norm, same, split
+from tfpod.convert.params import Param, layer_norm, require, same, split
 from tfpod.models import gpt
 
 log = logging.getLogger("tfpod")
@@ -32,6 +32,7 @@ TO_HUB_ACTIVATION = {"gelu_approximate": "gelu_new", "gelu": "gelu", "relu": "re
 
 def model_config(hub: dict) -> gpt.GPTConfig:
     """tfpod's GPTConfig of a GPT-2 config.json (one UserError for what tfpod cannot run)."""
+    require(hub, ("vocab_size", "n_embd", "n_layer", "n_head"), ARCHITECTURES)
     for key, value in (("scale_attn_by_inverse_layer_idx", False), ("reorder_and_upcast_attn", False),
                        ("add_cross_attention", False), ("tie_word_embeddings", True)):
         if hub.get(key, value) != value:

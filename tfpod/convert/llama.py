@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 
 from tfpod import UserError
-from tfpod.convert.params import Param, linear, reshaped, same
+from tfpod.convert.params import Param, linear, require, reshaped, same
 from tfpod.models import llama
 
 log = logging.getLogger("tfpod")
@@ -30,11 +30,9 @@ ROPE_TYPES = ("default", "llama3")
 def model_config(hub: dict) -> llama.LlamaConfig:
     """tfpod's LlamaConfig of a Llama or Mistral config.json; every value tfpod cannot run is
     reported together, one line each."""
+    require(hub, ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"),
+            ARCHITECTURES)
     problems = []
-    missing = [k for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-                           "num_attention_heads") if k not in hub]
-    if missing:
-        raise UserError(f"config.json: {', '.join(missing)} missing: is it a {' or '.join(ARCHITECTURES)} config?")
     heads, embed = hub["num_attention_heads"], hub["hidden_size"]
     seq_len = hub.get("max_position_embeddings", 2048)
     if hub.get("hidden_act", "silu") != "silu":

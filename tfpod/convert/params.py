@@ -14,6 +14,16 @@ from typing import Callable
 
 import numpy as np
 
+from tfpod import UserError
+
+
+def require(hub: dict, keys: tuple[str, ...], architectures: tuple[str, ...]) -> None:
+    """One UserError naming every field of `keys` config.json lacks (a family reads them without defaults)."""
+    missing = [k for k in keys if k not in hub]
+    if missing:
+        raise UserError(f"config.json: {', '.join(missing)} missing: is it a {' or '.join(architectures)} config "
+                        "(the checkpoint's own config.json)?")
+
 
 @dataclasses.dataclass(frozen=True)
 class Param:

@@ -178,6 +178,7 @@ def resolve(
         seen.add(s.name)
     used_rules = set()
     layouts = {}
+    undivided = {}  # (logical axis, size, mesh axis): the first variable's message, and how many share it
     for s in specs:
         hits = [r for r in axis_rules if r.matches(s.name)]
         if len(hits) > 1:
@@ -200,13 +201,19 @@ def resolve(
         layout = layout_for(rule.axes, table, mesh, s.shape)
         for dim, (size, mesh_axis) in enumerate(zip(s.shape, layout.sharding_specs)):
             if mesh_axis != dtensor.UNSHARDED and size % mesh.dim_size(mesh_axis):
-                raise UserError(
+                key = (rule.axes[dim], size, mesh_axis)
+                first, count = undivided.get(key, (
                     f"variable {s.name} {shape_text(s.shape)}: dimension {dim} ({rule.axes[dim]}, size {size}) "
                     f"does not divide over mesh axis {mesh_axis!r} of size {mesh.dim_size(mesh_axis)} "
-                    f"(rule {rule.pattern!r}): change the model size, the mesh, or map "
-                    f"{rule.axes[dim]!r} to no mesh axis in sharding.rules"
-                )
+                    f"(rule {rule.pattern!r})", 0))
+                undivided[key] = (first, count + 1)
         layouts[s.name] = layout
+    if undivided:  # every problem at once: one run to learn them all
+        parts = [first + (f" (and {count - 1} more variable(s) alike)" if count > 1 else "")
+                 for first, count in undivided.values()]
+        axes = ", ".join(sorted({repr(a) for a, _, _ in undivided}))
+        raise UserError("; ".join(parts) + f": change the model size, the mesh, or map {axes} to no mesh axis in "
+                        "sharding.rules")
     unused = [r for r in axis_rules if r not in used_rules and not r.optional]
     if unused:
         raise UserError(
