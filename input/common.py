@@ -72,7 +72,7 @@ def check_text_files(files, tfrecord_fix: str) -> None:
         with tf.io.gfile.GFile(f, "rb") as fh:
             head = fh.read(_TEXT_SAMPLE)
         if b"\x00" in head[:8192]:
-            record = _reads_as_tfrecord(f)
+            record = reads_as_tfrecord(f)
             raise UserError(f"input file {f} is read as text but is binary (NUL bytes"
                             f"{'; it reads as a TFRecord file' if record else ''}): "
                             f"{tfrecord_fix if record else 'remove it from the pattern, or give text files'}")
@@ -90,7 +90,8 @@ def check_text_files(files, tfrecord_fix: str) -> None:
                     min(len(files), _TEXT_FILES), 100 * undecodable / total, worst[1])
 
 
-def _reads_as_tfrecord(path: str) -> bool:
+def reads_as_tfrecord(path: str) -> bool:
+    """Whether the file's first record reads as TFRecord (else: a text file)."""
     try:
         return any(True for _ in tf.data.TFRecordDataset(path).take(1))
     except tf.errors.OpError:

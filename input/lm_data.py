@@ -120,12 +120,38 @@ def resolve(cfg: LMDataConfig) -> Resolved:
                             "lm_data.train_files (write them with tfpod.input.lm_data.write_ids_records)")
         return Resolved(cfg.train_files, cfg.eval_files, None)
     data_dir = None
+    if cfg.train_files is not None and cfg.vocab_path is None:
+        log.warning("lm_data.train_files is your own text but lm_data.vocab_path is unset: it is tokenized with the "
+                    "default corpus's vocabulary (learned from Python source); make one from your files with python -m "
+                    "tfpod.input.prepare --vocab_from=%r --vocab_size=N --vocab_out=FILE.model and set "
+                    "lm_data.vocab_path", cfg.train_files)
+    elif cfg.vocab_path is not None and not cfg.vocab_path.endswith(".txt"):
+        check_special_ids(cfg.vocab_path, cfg.eos)
     if cfg.train_files is None or cfg.vocab_path is None:
         data_dir = prepare.ensure(cfg.data_dir, cfg.vocab_size)
     train = cfg.train_files or prepare.split_paths(data_dir, "train")
     evals = cfg.eval_files or (prepare.split_paths(data_dir, "eval") if cfg.train_files is None else None)
     vocab = cfg.vocab_path or prepare.vocab_path(data_dir, cfg.vocab_size)
     return Resolved(train, evals, vocab)
+
+
+def check_special_ids(vocab_path: str, eos: int) -> None:
+    """One UserError when a SentencePiece model's end-of-document id is not the one tfpod
+    appends to every document (`lm_data.eos_id`, else 3): sentencepiece's own defaults
+    (unk 0, bos 1, eos 2) put a normal piece at 3, which the LM would learn as the boundary."""
+    import sentencepiece as spm
+
+    try:
+        model = spm.SentencePieceProcessor(model_file=vocab_path)
+    except (OSError, RuntimeError):
+        return  # not readable here: load_tokenizer names the problem where the pipeline reads it
+    if model.eos_id() != eos:
+        at = model.id_to_piece(eos) if 0 <= eos < model.get_piece_size() else None
+        raise UserError(
+            f"lm_data.vocab_path={vocab_path}: its end-of-document piece is id {model.eos_id()} (pad {model.pad_id()}, "
+            f"unk {model.unk_id()}, bos {model.bos_id()}), but tfpod ends every document with id {eos}"
+            + (f", which is {at!r} there" if at is not None else "") + ": train it with tfpod's ids (python -m "
+            f"tfpod.input.prepare --vocab_from=FILES --vocab_out=FILE.model) or set lm_data.eos_id={model.eos_id()}")
 
 
 def check_seq_len(cfg: LMDataConfig, model_seq_len: int, model: str = "gpt") -> int:

@@ -1,6 +1,11 @@
 """Prepare the default corpus: the Python standard library source -> TFRecord shards + vocabulary.
 
     python -m tfpod.input.prepare [--data_dir=DIR] [--vocab_size=2048] [--force]
+    python -m tfpod.input.prepare --vocab_from='my/*.txt' --vocab_size=8000 --vocab_out=my.model
+
+The second form trains a SentencePiece vocabulary on your own text files (each line a
+sentence; TFRecord files of a `text` feature too) with tfpod's special ids, for
+`lm_data.vocab_path`.
 
 Every `.py` file of the running interpreter's standard library (site-packages
 excluded) is one document. Files go to the held-out eval split by a hash of their
@@ -29,6 +34,7 @@ import sys
 import sysconfig
 
 from tfpod import UserError
+from tfpod.input.common import reads_as_tfrecord
 from tfpod.input.demo import cache_lock, data_root, ensure_prepared, staged
 
 log = logging.getLogger("tfpod")
@@ -197,6 +203,37 @@ def _write_json(path: str, obj) -> None:
     os.replace(path + ".tmp", path)
 
 
+def vocab_from_files(pattern: str, vocab_size: int, out_path: str, text_feature: str = "text") -> int:
+    """Trains a vocabulary like the default corpus's (tfpod's special ids) on the lines of the
+    files `pattern` names (comma-separated globs; TFRecord files: their `text_feature`).
+
+    Returns:
+      How many lines the sample drew from.
+
+    Raises:
+      UserError: no file matches, or out_path exists (nothing is overwritten).
+    """
+    import tensorflow as tf
+
+    paths = sorted({p for glob in pattern.split(",") for p in tf.io.gfile.glob(glob.strip())})
+    if not paths:
+        raise UserError(f"--vocab_from={pattern!r} matches no file: pass a glob of your text files")
+    if os.path.exists(out_path):
+        raise UserError(f"--vocab_out={out_path} exists: write the vocabulary to a new file (nothing is overwritten)")
+    lines = []
+    for path in paths:
+        if reads_as_tfrecord(path):
+            feature = {text_feature: tf.io.FixedLenFeature([], tf.string)}
+            for record in tf.data.TFRecordDataset(path):
+                lines += tf.io.parse_single_example(record, feature)[text_feature].numpy().decode().splitlines()
+        else:
+            with tf.io.gfile.GFile(path) as f:
+                lines += f.read().splitlines()
+    lines = [line for line in lines if line.strip()]
+    train_vocab(lines, vocab_size, out_path)
+    return min(len(lines), SPM_SAMPLE_LINES)
+
+
 def ensure(data_dir: str | None = None, vocab_size: int = 2048) -> str:
     """The prepared corpus folder, preparing it first if needed (cached, process-safe)."""
     data_dir = data_dir or default_data_dir()
@@ -209,8 +246,25 @@ def main(argv=None) -> int:
     parser.add_argument("--data_dir", default=None, help="output folder (default: $TFPOD_DATA_DIR or the user cache)")
     parser.add_argument("--vocab_size", type=int, action="append", help="SentencePiece vocabulary size(s); default 2048")
     parser.add_argument("--force", action="store_true", help="rebuild even if a prepared corpus is there")
+    parser.add_argument("--vocab_from", help="train a vocabulary on these files (comma-separated globs) instead")
+    parser.add_argument("--vocab_out", help="with --vocab_from: the SentencePiece .model file to write")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", datefmt="%H:%M:%S")
+    if args.vocab_from or args.vocab_out:
+        if not (args.vocab_from and args.vocab_out):
+            print("error: --vocab_from and --vocab_out go together: the files to learn from and the .model to write",
+                  file=sys.stderr)
+            return 1
+        size = (args.vocab_size or [2048])[0]
+        try:
+            lines = vocab_from_files(args.vocab_from, size, args.vocab_out)
+        except UserError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 1
+        print(json.dumps({"vocab_path": args.vocab_out, "vocab_size": size, "sample_lines": lines,
+                          "special_ids": {"pad": PAD_ID, "unk": UNK_ID, "bos": BOS_ID, "eos": EOS_ID,
+                                          "[MASK]": MASK_ID, "[CLS]": CLS_ID, "[SEP]": SEP_ID}}))
+        return 0
     data_dir = args.data_dir or default_data_dir()
     sizes = tuple(args.vocab_size or [2048])
     if any(v < 16 for v in sizes):

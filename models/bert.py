@@ -484,6 +484,11 @@ def serving(model: BertPretrainer, config: BertConfig, data_config) -> tuple[tf.
     vocab_path = data_config.vocab_path or lm_data.resolve(lm_data.LMDataConfig(
         vocab_size=data_config.vocab_size, data_dir=data_config.data_dir)).vocab_path
     tokenizer = text_lib.load_tokenizer(vocab_path, lower_case=data_config.lower_case)
+    pieces = int(tokenizer.vocab_size())
+    if pieces > config.vocab_size:  # raw text would become ids the model does not have
+        raise UserError(f"export: the vocabulary {vocab_path} has {pieces} pieces but the model has bert.vocab_size="
+                        f"{config.vocab_size}: set bert_data.vocab_path to the model's own vocabulary (or "
+                        "bert_data.format='records' to export the ids signature alone)")
     ids = bert_data.special_ids(tokenizer, vocab_path)
     module.tokenizer = tokenizer
     length, predictions = config.seq_len, config.max_predictions

@@ -187,6 +187,11 @@ def test_base_and_masked_lm_berts_import_with_fresh_heads_and_bad_folders_are_on
     assert {n.rsplit("/", 1)[0] for n in fresh} == {"bert/encoder/pooler_transform", "bert/next_sentence"}
     c, model = single_device(tmp_path / "m")
     assert not c.model.next_sentence
+    # No vocab.txt came with it: it reads records of its own ids and serves ids alone (not raw text
+    # through the default corpus's vocabulary).
+    assert c.data.format == "records" and not c.data.masked_online
+    _, signatures = c.task.serving(model, c.model, c.data)
+    assert set(signatures) == {"serving_default", "ids"} and signatures["serving_default"] is signatures["ids"]
     ours = model({k: tf.constant(v) for k, v in batch.items()}, training=False).numpy()
     expected = np.take_along_axis(hub_logits, batch["masked_lm_positions"][:, :, None], axis=1)
     assert np.max(np.abs(ours - expected)) <= 1e-4

@@ -272,3 +272,45 @@ def test_a_shared_data_config_words_its_errors_in_the_tasks_own_gin_names():
             task.make_input(lm_data.LMDataConfig(seq_len=64), model, ShardInfo(0, 1), 0)
         assert str(e.value) == (f"lm_data.seq_len=64 is outside [1, 32], the model's maximum length ({name}.seq_len): "
                                 f"lower lm_data.seq_len or raise {name}.seq_len")
+
+
+@pytest.mark.unit
+def test_a_vocabulary_of_your_own_text_gets_tfpods_ids_and_a_foreign_one_is_refused(tmp_path, caplog):
+    """`python -m tfpod.input.prepare --vocab_from` trains SentencePiece on your files with tfpod's
+    special ids, which lm_data takes; a model with sentencepiece's default ids (eos 2, a normal
+    piece at tfpod's end-of-document id 3) is one line naming both ids; your text with the default
+    corpus's vocabulary is a loud warning naming the fix."""
+    import json as json_lib
+    import subprocess
+    import sys
+
+    import sentencepiece as spm
+
+    rng = np.random.default_rng(0)
+    words = [''.join(rng.choice(list("abcdefghij"), size=rng.integers(2, 7))) for _ in range(300)]
+    text = tmp_path / "mine.txt"
+    text.write_text("\n".join(" ".join(rng.choice(words, size=12)) for _ in range(400)))
+    out = tmp_path / "mine.model"
+    result = subprocess.run([sys.executable, "-m", "tfpod.input.prepare", f"--vocab_from={tmp_path}/*.txt",
+                             "--vocab_size=300", f"--vocab_out={out}"], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert json_lib.loads(result.stdout.splitlines()[-1])["special_ids"]["eos"] == prepare.EOS_ID
+    model = spm.SentencePieceProcessor(model_file=str(out))
+    assert (model.pad_id(), model.eos_id(), model.piece_to_id("[MASK]")) == (prepare.PAD_ID, prepare.EOS_ID,
+                                                                               prepare.MASK_ID)
+    cfg = lm_data.LMDataConfig(train_files=str(text), vocab_path=str(out))
+    assert lm_data.resolve(cfg).vocab_path == str(out)
+    again = subprocess.run([sys.executable, "-m", "tfpod.input.prepare", f"--vocab_from={text}", f"--vocab_out={out}"],
+                           capture_output=True, text=True, timeout=300)
+    assert again.returncode == 1 and "exists" in again.stderr  # nothing is overwritten
+
+    spm.SentencePieceTrainer.train(input=str(text), model_prefix=str(tmp_path / "defaults"), vocab_size=300,
+                                   minloglevel=2)  # sentencepiece's own ids: unk 0, bos 1, eos 2
+    foreign = lm_data.LMDataConfig(train_files=str(text), vocab_path=str(tmp_path / "defaults.model"))
+    with pytest.raises(UserError, match=r"its end-of-document piece is id 2 .* but tfpod ends every document with id "
+                                        r"3, which is .* there: train it with tfpod's ids .* or set lm_data.eos_id=2"):
+        lm_data.resolve(foreign)
+    assert lm_data.resolve(dataclasses.replace(foreign, eos_id=2)).vocab_path.endswith("defaults.model")
+    with caplog.at_level(logging.WARNING, logger="tfpod"):
+        lm_data.resolve(lm_data.LMDataConfig(train_files=str(text)))
+    assert "tokenized with the default corpus's vocabulary" in caplog.text and "--vocab_from=" in caplog.text

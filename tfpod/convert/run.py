@@ -125,6 +125,9 @@ def write_run(family, architecture: str, model_config, source_config: dict, arra
     extra = []
     if vocab:
         extra.append(f"bert_data.vocab_path = {os.path.abspath(os.path.join(model_dir, 'vocab.txt'))!r}")
+    elif family is bert:  # no vocabulary of its own: it reads token ids, and its export serves ids alone
+        extra += ["# No vocab.txt came with it: its data is create_pretraining_data.py records of its own ids.",
+                  "bert_data.format = 'records'"]
     text = gin_text(family, model_config, source_config, extra)
     # gin resolves an include only from a file: the run defaults as one, the rest as bindings
     config.parse_config([BASE_GIN], [line for line in text.splitlines() if not line.startswith("include ")]
