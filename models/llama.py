@@ -267,11 +267,12 @@ class Llama(tf_keras.Model):
                                                                 initializer=init(), name="output_embedding")
         self.inverse_frequencies = rope_frequencies(config).astype(np.float32)
 
-    def angles(self, features: dict, length: int):
+    def angles(self, features: dict):
         """(cos, sin) [batch, length, 1, head_dim / 2] of each token's position (per document when packed)."""
         if "positions" in features:
             positions = tf.cast(features["positions"], tf.float32)
-        else:
+        else:  # 0 .. length - 1 (the length static where known, as DTensor needs; a served row's may vary)
+            length = gpt.leading_dims(features["inputs"], 2)[1]
             positions = tf.cast(tf.range(length), tf.float32)[None, :] * tf.ones_like(features["inputs"], tf.float32)
         theta = positions[:, :, None, None] * self.inverse_frequencies  # [batch, length, 1, d / 2]
         return tf.cos(theta), tf.sin(theta)
@@ -279,7 +280,7 @@ class Llama(tf_keras.Model):
     def context(self, features: dict):
         """What every block reads besides the stream: (mask, cos, sin)."""
         mask = gpt.causal_mask(features["inputs"], features.get("segment_ids"))
-        return (mask, *self.angles(features, self.config.seq_len))
+        return (mask, *self.angles(features))
 
     def embed_inputs(self, features: dict, training) -> tf.Tensor:
         x = gpt.choose_lookup(self.token_embedding)(features["inputs"])

@@ -90,11 +90,11 @@ def serving(model, config, data_config, whole_sequences: bool = False) -> tuple[
     if data_config.format == "ids":  # pre-tokenized data: no vocabulary to tokenize with
         return module, {"serving_default": ids, "ids": ids}
 
-    from tfpod.input import prepare, text as text_lib
+    from tfpod.input import text as text_lib
 
     tokenizer = text_lib.load_tokenizer(lm_data.resolve(data_config).vocab_path)
     module.tokenizer = tokenizer
-    eos = prepare.EOS_ID
+    eos = data_config.eos  # the run's end-of-document id (the boundary its documents were trained with)
 
     def prompts(texts):
         ids = tokenizer.tokenize(texts)  # ragged [batch, pieces]

@@ -305,6 +305,14 @@ def test_mistral_and_llama_folders_import_with_transformers_logits_and_export_ba
     ids = np.random.default_rng(0).integers(0, MISTRAL["vocab_size"], size=(2, 32)).astype(np.int32)
     logits = model(ids).logits.numpy()
     tensors = write_hub_folder(model, tmp_path / "mistral", "MistralForCausalLM")
+    # A SentencePiece tokenizer.model with sentencepiece's own ids (Llama 2's and Mistral's: eos 2).
+    import sentencepiece as spm
+
+    corpus = tmp_path / "corpus.txt"
+    words = [f"{a}{b}{c}" for a in "abcdefgh" for b in "aeiou" for c in "klmnpr"]
+    corpus.write_text("\n".join(" ".join(words[(i * k) % len(words)] for k in range(1, 12)) for i in range(400)))
+    spm.SentencePieceTrainer.train(input=str(corpus), model_prefix=str(tmp_path / "mistral" / "tokenizer"),
+                                   vocab_size=MISTRAL["vocab_size"], minloglevel=2)
     llama_config = transformers.LlamaConfig(**{k: v for k, v in MISTRAL.items() if k != "sliding_window"},
                                             architectures=["LlamaForCausalLM"])
     hublib.write_folder(str(tmp_path / "llama"), json.loads(llama_config.to_json_string()), sorted(tensors.items()))
@@ -313,6 +321,14 @@ def test_mistral_and_llama_folders_import_with_transformers_logits_and_export_ba
         c, ours = single_device(tmp_path / f"{name}_run")
         assert (c.task.name, c.model.num_kv_heads, c.model.tie_embeddings) == ("llama", 2, False)
         np.testing.assert_allclose(ours({"inputs": tf.constant(ids)}).numpy(), logits, atol=1e-4, rtol=0)
+    # The Mistral folder's tokenizer.model came with it: copied, in the graph for text and serving,
+    # documents ending with its own EOS (2); the Llama folder had none: it trains on ids.
+    c, ours = single_device(tmp_path / "mistral_run")
+    assert c.data.vocab_path == str(tmp_path / "mistral_run" / "tokenizer.model") and c.data.eos == 2
+    _, signatures = c.task.serving(ours, c.model, c.data)
+    assert {"serving_default", "generate", "ids"} == set(signatures)
+    assert signatures["serving_default"](tf.constant(["bak cem"]))["logits"].shape == (1, MISTRAL["vocab_size"])
+    assert single_device(tmp_path / "llama_run")[0].data.format == "ids"
 
     run, out = tmp_path / "llama_run", tmp_path / "out"
     tuned = main_py(f"--model_dir={run}", "--gin_param=train.steps=2", "--cpu_devices=2", "--mesh=data:1,model:2",

@@ -22,6 +22,7 @@ MODEL_TYPE = "bert"
 TASK = "bert"
 PREFIX = "bert."
 ARCHITECTURES = ("BertForPreTraining", "BertForMaskedLM", "BertModel")
+VOCAB_FILE = "vocab.txt"  # the WordPiece vocabulary a folder may hold (copied into the run)
 EXPORT_ARCHITECTURE = "BertForPreTraining"
 
 HEADS = ("bert/masked_lm/", "bert/next_sentence/")
@@ -115,8 +116,12 @@ def skipped(name: str) -> bool:
     return bool(re.search(r"position_ids$|^cls\.predictions\.decoder\.(weight|bias)$", name))
 
 
-def gin(c: bert.BertConfig, hub: dict) -> list[str]:
-    """The data lines of an imported BERT's config.gin: its WordPiece vocab.txt when the folder has one."""
+def gin(c: bert.BertConfig, hub: dict, vocab: str | None) -> list[str]:
+    """The data lines of an imported BERT's config.gin: its WordPiece vocab.txt (the run's copy)
+    when the folder had one, else records of its own ids (and an export of the ids signature alone)."""
     del c, hub
-    return ["# bert_data.vocab_path: the model's WordPiece vocab.txt, for text masked online (set below when",
-            "# the imported folder had one). Text has no sentence pairs: train it with bert.next_sentence = False."]
+    if vocab is None:
+        return ["# No vocab.txt came with it: its data is create_pretraining_data.py records of its own ids.",
+                "bert_data.format = 'records'"]
+    return ["# The model's WordPiece vocab.txt, for text masked online. Text has no sentence pairs: train it",
+            "# with bert.next_sentence = False.", f"bert_data.vocab_path = {vocab!r}"]

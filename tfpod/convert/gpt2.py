@@ -23,6 +23,7 @@ TASK = "gpt"
 PREFIX = "transformer."
 ARCHITECTURES = ("GPT2LMHeadModel",)
 EXPORT_ARCHITECTURE = "GPT2LMHeadModel"
+VOCAB_FILE = None  # its byte-level BPE does not run in the graph
 
 # Hub activation names -> tfpod's, and back.
 ACTIVATIONS = {"gelu_new": "gelu_approximate", "gelu_pytorch_tanh": "gelu_approximate", "gelu": "gelu",
@@ -101,8 +102,9 @@ def skipped(name: str) -> bool:
     return bool(re.search(r"\.attn\.(bias|masked_bias)$", name)) or name == "lm_head.weight"
 
 
-def gin(c: gpt.GPTConfig, hub: dict) -> list[str]:
+def gin(c: gpt.GPTConfig, hub: dict, vocab: str | None = None) -> list[str]:
     """The data lines of an imported GPT-2's config.gin: pre-tokenized ids ending documents with its EOS."""
+    del vocab
     eos = hub.get("eos_token_id", c.vocab_size - 1)
     return ["# GPT-2's byte-level BPE does not run in the graph: train on TFRecords of token ids",
             "# (docs/pretrained.md); set lm_data.train_files (and eval_files).",

@@ -25,6 +25,7 @@ PREFIX = "model."
 ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM")
 EXPORT_ARCHITECTURE = "LlamaForCausalLM"
 ROPE_TYPES = ("default", "llama3")
+VOCAB_FILE = "tokenizer.model"  # SentencePiece (Llama 2, Mistral); Llama 3's tokenizer.json does not run in the graph
 
 
 def model_config(hub: dict) -> llama.LlamaConfig:
@@ -124,9 +125,15 @@ def skipped(name: str) -> bool:
     return name.endswith("rotary_emb.inv_freq") or name == "lm_head.weight"
 
 
-def gin(c: llama.LlamaConfig, hub: dict) -> list[str]:
-    """The data lines of an imported model's config.gin: pre-tokenized ids ending documents with its EOS."""
+def gin(c: llama.LlamaConfig, hub: dict, vocab: str | None) -> list[str]:
+    """The data lines of an imported model's config.gin: its SentencePiece tokenizer.model in the
+    graph (Llama 2, Mistral; the run's copy), else pre-tokenized ids (Llama 3's tokenizer.json);
+    documents end with its EOS."""
     eos = hub.get("eos_token_id", c.vocab_size - 1)
     eos = eos[0] if isinstance(eos, list) else eos
+    if vocab is not None:
+        return ["# The model's SentencePiece tokenizer.model runs in the input pipeline and the SavedModel;",
+                "# set lm_data.train_files (text or TFRecords of text).", f"lm_data.vocab_path = {vocab!r}",
+                f"lm_data.eos_id = {eos}"]
     return ["# Train on TFRecords of the model's own token ids (docs/pretrained.md); set lm_data.train_files",
             "# (and eval_files).", "lm_data.format = 'ids'", f"lm_data.eos_id = {eos}"]

@@ -85,7 +85,7 @@ def import_model_garden(path: str, model_dir: str, bert_config: str | None = Non
         act = {"gelu": "gelu_new"}.get(hub_config.get("hidden_act", "gelu"), hub_config.get("hidden_act"))
         model_config = bert.model_config({**hub_config, "hidden_act": act, "architectures": [arch]})
         return write_run(bert, arch, model_config, hub_config, arrays, model_dir, mesh_spec, cpu_devices,
-                         gin_params, path, vocab)
+                         gin_params, path, vocab)  # (bert's VOCAB_FILE, vocab.txt, beside the checkpoint)
 
 
 def _converted_tf1(path: str, hub_config: dict, scratch: str) -> str:

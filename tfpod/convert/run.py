@@ -66,7 +66,7 @@ def match(folder: hublib.HubFolder, family, params: list[Param]) -> dict[str, st
     return found
 
 
-def gin_text(family, model_config, hub_config: dict, extra: list[str]) -> str:
+def gin_text(family, model_config, hub_config: dict, vocab: str | None) -> str:
     """config.gin of an imported model: the run defaults, the model, fine-tuning defaults."""
     origin = f"a Hugging Face {hub_config['model_type']}" if "model_type" in hub_config else "a Model Garden BERT"
     lines = [f"# Imported from {origin} checkpoint (python -m tfpod.convert import); train on with "
@@ -76,7 +76,7 @@ def gin_text(family, model_config, hub_config: dict, extra: list[str]) -> str:
         lines.append(f"{family.TASK}.{field.name} = {getattr(model_config, field.name)!r}")
     lines += ["train.steps = 100", "train.global_batch_size = 8", "train.checkpoint_every = 100",
               "train.synthetic_data = False", "optimizer.learning_rate = 5e-05", "optimizer.warmup_steps = 10"]
-    return "\n".join(lines + family.gin(model_config, hub_config) + extra) + "\n"
+    return "\n".join(lines + family.gin(model_config, hub_config, vocab)) + "\n"
 
 
 def import_hub(hub_dir: str, model_dir: str, mesh_spec: str | None = None, cpu_devices: int | None = None,
@@ -92,12 +92,12 @@ def import_hub(hub_dir: str, model_dir: str, mesh_spec: str | None = None, cpu_d
         for p in params:
             yield from ((name, value, found[p.hub]) for name, value in zip(p.tfpod, p.to_tfpod(folder.read(found[p.hub]))))
 
-    vocab = os.path.join(hub_dir, "vocab.txt")
+    vocab = os.path.join(hub_dir, family.VOCAB_FILE) if family.VOCAB_FILE else None
     lower = _tokenizer_setting(hub_dir, "do_lower_case")
     bindings = tuple(gin_params) + ((f"bert_data.lower_case = {bool(lower)}",) if family is bert and lower is not None
                                     else ())
     return write_run(family, architecture, model_config, folder.config, arrays(), model_dir, mesh_spec, cpu_devices,
-                     bindings, hub_dir, vocab if family is bert and os.path.isfile(vocab) else None)
+                     bindings, hub_dir, vocab if vocab and os.path.isfile(vocab) else None)
 
 
 def _tokenizer_setting(hub_dir: str, key: str):
@@ -112,7 +112,8 @@ def _tokenizer_setting(hub_dir: str, key: str):
 def write_run(family, architecture: str, model_config, source_config: dict, arrays, model_dir: str,
               mesh_spec: str | None, cpu_devices: int | None, gin_params, source: str, vocab: str | None) -> dict:
     """Builds the run on its mesh, fills it with `arrays` ((tfpod name, array, source tensor)
-    each), saves a step-0 checkpoint and writes config.gin (and a WordPiece `vocab` copy).
+    each), saves a step-0 checkpoint and writes config.gin (and a copy of the model's vocabulary
+    file `vocab`, the family's VOCAB_FILE, which its config.gin lines name).
 
     Returns:
       {"step": 0, "checkpoint", "tensors", "fresh": variables initialized fresh, "task"}.
@@ -122,13 +123,8 @@ def write_run(family, architecture: str, model_config, source_config: dict, arra
             raise UserError(f"--model_dir={model_dir} already holds {name}: import into a new folder (nothing "
                             "there is overwritten)")
     api.check_writable(model_dir)
-    extra = []
-    if vocab:
-        extra.append(f"bert_data.vocab_path = {os.path.abspath(os.path.join(model_dir, 'vocab.txt'))!r}")
-    elif family is bert:  # no vocabulary of its own: it reads token ids, and its export serves ids alone
-        extra += ["# No vocab.txt came with it: its data is create_pretraining_data.py records of its own ids.",
-                  "bert_data.format = 'records'"]
-    text = gin_text(family, model_config, source_config, extra)
+    copied = os.path.abspath(os.path.join(model_dir, family.VOCAB_FILE)) if vocab else None
+    text = gin_text(family, model_config, source_config, copied)
     # gin resolves an include only from a file: the run defaults as one, the rest as bindings
     config.parse_config([BASE_GIN], [line for line in text.splitlines() if not line.startswith("include ")]
                         + list(gin_params))
@@ -137,7 +133,7 @@ def write_run(family, architecture: str, model_config, source_config: dict, arra
     with api.start(dataclasses.replace(c, train=train), api.RunOptions(mesh_spec=mesh_spec, cpu_devices=cpu_devices),
                    model_dir, claim=True) as session:  # a folder a live run holds is refused
         if vocab:
-            shutil.copy(vocab, os.path.join(model_dir, "vocab.txt"))
+            shutil.copy(vocab, copied)
         run = api.controller(c.task, c.model, train, c.optimizer, session.placement, model_dir, c.data,
                              c.sharding.pipeline_schedule)
         filled, fresh = _fill(run, arrays, family, architecture, source)
