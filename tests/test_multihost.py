@@ -212,3 +212,21 @@ def test_without_a_launcher_a_frozen_host_is_named_by_the_heartbeat(tmp_path):
     errors_ = [l for l in open(tmp_path / "host0.log").read().splitlines() if l.startswith("error: ")]
     assert errors_, open(tmp_path / "host0.log").read()[-2000:]
     assert errors_[-1].startswith("error: lost host 1 of 2 (") and "relaunch the same command on every host" in errors_[-1]
+
+
+def test_two_hosts_train_llama_with_one_devices_losses(tmp_path):
+    """The Llama-family decoder (grouped-query attention: 2 key/value heads, replicated over
+    model:4) on 2 local hosts x 4 devices, data:2,model:4 across them: each step's loss is one
+    device's. (Evaluation, checkpoints and resuming on 2 hosts are the model's own: tested with
+    gpt above and in test_eval.)"""
+    params = ["train.synthetic_data=True", "train.steps=4", "train.global_batch_size=16", "train.steps_per_loop=2",
+              "train.log_every=1", "train.checkpoint_every=4", "optimizer.warmup_steps=0"]
+    d = tmp_path / "two"
+    out = subprocess.run(launch_command(2, 4, "--gin_file=gin/llama_tiny.gin", "--mesh=data:2,model:4",
+                                        f"--model_dir={d}", *[f"--gin_param={p}" for p in params]),
+                         cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, errors(out)
+    assert "host 1 of 2" in out.stdout and "llama variables on mesh data:2,model:4" in out.stdout
+    run(["gin/llama_tiny.gin"], params, str(tmp_path / "one"), mesh=device_mesh())
+    assert len(losses(d)) == 4
+    np.testing.assert_allclose(losses(d), losses(tmp_path / "one"), rtol=2e-5)
