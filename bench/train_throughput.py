@@ -1,8 +1,9 @@
 """Training throughput side by side: tfpod, plain tf_keras `model.fit`, and Model Garden's trainer.
 
-    python bench/train_throughput.py [--model=gpt_small|bert_base|resnet50] [--global_batch=N]
+    python bench/train_throughput.py [--model=gpt_small|bert_base|resnet50|llama_small] [--global_batch=N]
         [--seq_len=N] [--num_layers=N] [--warmup=2] [--steps=4] [--steps_per_loop=2]
         [--runs=peak,tfpod,tfpod_bf16,keras_fit,model_garden] [--mesh=data:1] [--cpu_devices=1]
+        [--keras_hub_python=PYTHON]   # llama_small's keras_hub runs: a Python with keras_hub installed
 
 In one run on one machine, each measurement in its own fresh process, one after the other
 (so none shares the cores with another):
@@ -21,11 +22,16 @@ In one run on one machine, each measurement in its own fresh process, one after 
                 same corpus masked online; for resnet50 the digits demo set decoded,
                 cropped and resized in the pipeline; `real_vs_synthetic` is its rate over
                 the `tfpod` run's
-  keras_fit     the model written with stock tf_keras layers (plain_keras_model), trained by
+  keras_fit     the model written with stock tf_keras layers (bench/plain_models.py), trained by
                 plain tf_keras `model.compile` + `model.fit` with default settings on
                 one device: x = the model's features, y = its labels, sample_weight =
                 its weights, the usual Keras loss (SparseCategoricalCrossentropy, or
                 CategoricalCrossentropy with ResNet's label smoothing)
+  keras_fit_bf16  the same under Keras's mixed_bfloat16 policy
+  keras_hub     llama_small only: KerasHub's LlamaCausalLM of the same shape (Keras 3 on the
+                TensorFlow backend, its own AdamW, `fit`; bench/plain_models.py), run by
+                --keras_hub_python (KerasHub in its own environment); keras_hub_bf16 under
+                mixed_bfloat16
   keras_fit_same_model  tfpod's own model class (models/<task>.build, no mesh) trained by
                 the same `model.fit`: against `tfpod`, only the training loop differs
   model_garden  the model as Model Garden builds it (model_garden_model: for gpt_small
@@ -68,26 +74,32 @@ import sys
 import tempfile
 import time
 
-import workers  # bench/workers.py (scripts run from bench/)
+import plain_models  # bench/plain_models.py (scripts run from bench/)
+import workers  # bench/workers.py
 from workers import rotate, run_worker
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-RUNS = ("peak", "tfpod", "tfpod_bf16", "tfpod_real_input", "keras_fit", "keras_fit_same_model", "model_garden")
+RUNS = ("peak", "tfpod", "tfpod_bf16", "tfpod_real_input", "keras_fit", "keras_fit_bf16", "keras_fit_same_model",
+        "model_garden", "keras_hub", "keras_hub_bf16")
 # Per model: task module, config, optimizer, default global batch and sequence length.
 MODELS = {
     "gpt_small": dict(task="gpt", batch=4, seq_len=1024, optimizer=dict(name="adamw", learning_rate=6e-4, beta_2=0.95)),
     "bert_base": dict(task="bert", batch=16, seq_len=128, optimizer=dict(name="lamb", learning_rate=1e-4)),
     "resnet50": dict(task="resnet", batch=16, seq_len=None, optimizer=dict(name="lars", learning_rate=0.1, momentum=0.9)),
+    "llama_small": dict(task="llama", batch=4, seq_len=512, optimizer=dict(name="adamw", learning_rate=3e-4, beta_2=0.95)),
 }
 
 
 def model_config(args):
     """(task, its model config) for --model, --seq_len and --num_layers."""
     from tfpod import models  # noqa: F401
-    from tfpod.models import bert, gpt, resnet
+    from tfpod.models import bert, gpt, llama, resnet
 
+    if args.model == "llama_small":  # 8 layers, 512 wide, 8 query / 2 key-value heads: 30.9M parameters
+        return llama.TASK, llama.LlamaConfig(vocab_size=8192, num_layers=args.num_layers or 8, embed_dim=512,
+                                             num_heads=8, num_kv_heads=2, mlp_dim=1408, seq_len=args.seq_len)
     if args.model == "gpt_small":
         return gpt.TASK, gpt.GPTConfig(vocab_size=50304, num_layers=args.num_layers or 12, embed_dim=768, num_heads=12,
                                   mlp_dim=3072, seq_len=args.seq_len, dropout=0.0)
@@ -107,112 +119,6 @@ def optimizer_config(args):
 def units_per_example(task, cfg) -> int:
     """Tokens per example (1 for images: rates are then examples per second)."""
     return getattr(cfg, "seq_len", None) or 1
-
-
-def plain_keras_model(task, cfg):
-    """The model written with stock tf_keras layers only, as a Keras user writes it.
-
-    gpt: GPT-2 pre-norm blocks of `MultiHeadAttention(use_causal_mask=True)`, `Dense` gelu
-    MLP and `LayerNormalization`, `Embedding` token and position tables, and the output
-    layer tied to the token table as Keras-NLP's ReversibleEmbedding ties it
-    (`matmul(x, table, transpose_b=True)`): the same weights as models/gpt.py's GPT.
-    bert: BERT's post-norm encoder from `Embedding` (word, position, token type),
-    `LayerNormalization`, `MultiHeadAttention` masked by the input mask and a `Dense` gelu
-    MLP; the masked-LM head gathers the masked positions (`tf.gather(batch_dims=1)`),
-    transforms them (`Dense` gelu, `LayerNormalization`) and ties the output to the word
-    table, with an output bias: the masked-LM weights of models/bert.py (its pooler and
-    frozen next-sentence classifier aside).
-    resnet: `tf_keras.applications.ResNet50(weights=None)` (v1: strides on the 1x1
-    convolution; the same multiply-adds to within 1%).
-    """
-    import tensorflow as tf
-    import tf_keras
-
-    layers = tf_keras.layers
-    init = lambda: tf_keras.initializers.TruncatedNormal(stddev=0.02)
-    if task.name == "resnet":
-        images = tf_keras.Input([cfg.image_size, cfg.image_size, 3], name="images")
-        net = tf_keras.applications.ResNet50(weights=None, input_tensor=images, classes=cfg.num_classes,
-                                             classifier_activation=None)
-        return tf_keras.Model({"images": images}, net.output)
-    if task.name == "bert":
-        return _plain_keras_bert(cfg, init)
-
-    class TiedOutput(layers.Layer):
-        def __init__(self, embedding, **kwargs):
-            super().__init__(**kwargs)
-            self.embedding = embedding
-
-        def call(self, x):
-            return tf.cast(tf.matmul(x, tf.cast(self.embedding.embeddings, x.dtype), transpose_b=True), tf.float32)
-
-    class AddPositions(layers.Layer):  # a learned position table, added
-        def build(self, shape):
-            self.table = self.add_weight("embeddings", [cfg.seq_len, cfg.embed_dim], initializer=init())
-
-        def call(self, x):
-            return x + tf.cast(self.table, x.dtype)
-
-    ids = tf_keras.Input([cfg.seq_len], dtype=tf.int32, name="inputs")
-    token = layers.Embedding(cfg.vocab_size, cfg.embed_dim, embeddings_initializer=init())
-    x = AddPositions()(token(ids))
-    for _ in range(cfg.num_layers):
-        h = layers.LayerNormalization(epsilon=cfg.norm_epsilon)(x)
-        h = layers.MultiHeadAttention(cfg.num_heads, cfg.embed_dim // cfg.num_heads, kernel_initializer=init())(
-            h, h, use_causal_mask=True)
-        x = x + h
-        h = layers.LayerNormalization(epsilon=cfg.norm_epsilon)(x)
-        h = layers.Dense(cfg.mlp_dim, activation="gelu", kernel_initializer=init())(h)
-        x = x + layers.Dense(cfg.embed_dim, kernel_initializer=init())(h)
-    x = layers.LayerNormalization(epsilon=cfg.norm_epsilon)(x)
-    return tf_keras.Model({"inputs": ids}, TiedOutput(token)(x))
-
-
-def _plain_keras_bert(cfg, init):
-    import tensorflow as tf
-    import tf_keras
-
-    layers = tf_keras.layers
-    length, hidden = cfg.seq_len, cfg.hidden_size
-
-    class AddPositions(layers.Layer):  # a learned position table, added
-        def build(self, shape):
-            self.table = self.add_weight("embeddings", [length, hidden], initializer=init())
-
-        def call(self, x):
-            return x + tf.cast(self.table, x.dtype)
-
-    class MaskedLMOutput(layers.Layer):  # gather the masked positions; logits tied to the word table
-        def __init__(self, embedding, **kwargs):
-            super().__init__(**kwargs)
-            self.embedding = embedding
-
-        def build(self, shape):
-            self.bias = self.add_weight("bias", [cfg.vocab_size], initializer="zeros")
-
-        def call(self, x):
-            table = tf.cast(self.embedding.embeddings, x.dtype)
-            return tf.cast(tf.einsum("bph,vh->bpv", x, table) + tf.cast(self.bias, x.dtype), tf.float32)
-
-    names = ("input_ids", "input_mask", "segment_ids")
-    ids, mask, types = (tf_keras.Input([length], dtype=tf.int32, name=n) for n in names)
-    positions = tf_keras.Input([cfg.max_predictions], dtype=tf.int32, name="masked_lm_positions")
-    word = layers.Embedding(cfg.vocab_size, hidden, embeddings_initializer=init())
-    x = AddPositions()(word(ids)) + layers.Embedding(cfg.type_vocab_size, hidden, embeddings_initializer=init())(types)
-    x = layers.Dropout(cfg.dropout)(layers.LayerNormalization(epsilon=1e-12)(x))
-    attend = layers.Lambda(lambda m: tf.cast(m[:, None, :], tf.bool) & tf.ones([1, length, 1], tf.bool))(mask)
-    for _ in range(cfg.num_layers):
-        h = layers.MultiHeadAttention(cfg.num_heads, hidden // cfg.num_heads, dropout=cfg.attention_dropout,
-                                      kernel_initializer=init())(x, x, attention_mask=attend)
-        x = layers.LayerNormalization(epsilon=1e-12)(x + layers.Dropout(cfg.attention_dropout)(h))
-        h = layers.Dense(cfg.intermediate_size, activation="gelu", kernel_initializer=init())(x)
-        h = layers.Dense(hidden, kernel_initializer=init())(h)
-        x = layers.LayerNormalization(epsilon=1e-12)(x + layers.Dropout(cfg.dropout)(h))
-    picked = layers.Lambda(lambda a: tf.gather(a[0], a[1], batch_dims=1))([x, positions])
-    picked = layers.LayerNormalization(epsilon=1e-12)(
-        layers.Dense(hidden, activation="gelu", kernel_initializer=init())(picked))
-    inputs = {"input_ids": ids, "input_mask": mask, "segment_ids": types, "masked_lm_positions": positions}
-    return tf_keras.Model(inputs, MaskedLMOutput(word)(picked))
 
 
 def model_garden_model(task, cfg):
@@ -315,7 +221,7 @@ def keras_adapter(task, cfg):
     import tf_keras
 
     name = task.name
-    if name == "gpt":
+    if name in ("gpt", "llama"):
         return (lambda b: ({"inputs": b["inputs"]}, b["targets"], b["weights"]),
                 tf_keras.losses.SparseCategoricalCrossentropy(from_logits=True))
     if name == "bert":
@@ -370,7 +276,7 @@ def run_keras_fit(args, plain: bool = True) -> dict:
     import tf_keras
 
     task, cfg = model_config(args)
-    model, optimizer = _baseline_model(task, cfg, args, args.precision, plain_keras_model if plain else None)
+    model, optimizer = _baseline_model(task, cfg, args, args.precision, plain_models.plain_keras_model if plain else None)
     _, loss = keras_adapter(task, cfg)
     model.compile(optimizer=optimizer, loss=loss)
     ends = []
@@ -491,15 +397,21 @@ def worker(args) -> dict:
 
     if args.worker == "model_garden":
         return run_model_garden(args)
-    return run_keras_fit(args, plain=args.worker == "keras_fit")
+    if args.worker.startswith("keras_hub"):
+        task, cfg = model_config(args)
+        out = plain_models.run_keras_hub(args, task, cfg, host_batches(task, cfg, args.global_batch,
+                                                                       args.warmup + args.steps))
+        return {**_rate(args, task, cfg, out.pop("start"), out.pop("end"), out.pop("loss")), **out}
+    return run_keras_fit(args, plain=args.worker.startswith("keras_fit"))
 
 
 def run(name: str, args) -> dict:
     """One measurement in a fresh process; its JSON, or {"error": its last line}."""
-    precision = "mixed_bfloat16" if name == "tfpod_bf16" else "float32"
-    cmd = [sys.executable, os.path.abspath(__file__), f"--worker={name}", f"--precision={precision}"] + [
+    precision = "mixed_bfloat16" if name.endswith("_bf16") else "float32"
+    python = args.keras_hub_python if name.startswith("keras_hub") and args.keras_hub_python else sys.executable
+    cmd = [python, os.path.abspath(__file__), f"--worker={name}", f"--precision={precision}"] + [
         f"--{k}={v}" for k, v in vars(args).items()
-        if k not in ("worker", "precision", "runs", "verbose", "device", "repeats") and v is not None
+        if k not in ("worker", "precision", "runs", "verbose", "device", "repeats", "keras_hub_python") and v is not None
     ] + (["--device"] if args.device else [])
     result = run_worker(cmd, "train_throughput", name, ROOT, args.verbose)
     if "error" in result:
@@ -532,6 +444,9 @@ def summarize(args, runs: dict) -> dict:
         "model_garden_tokens_per_sec": rate("model_garden"),
         "vs_model_garden": ratio(rate("tfpod"), rate("model_garden")),
         "bf16_tokens_per_sec": rate("tfpod_bf16"),
+        "vs_keras_fit_bf16": ratio(rate("tfpod_bf16"), rate("keras_fit_bf16")),
+        "keras_hub_tokens_per_sec": rate("keras_hub"), "vs_keras_hub": ratio(rate("tfpod"), rate("keras_hub")),
+        "vs_keras_hub_bf16": ratio(rate("tfpod_bf16"), rate("keras_hub_bf16")),
         "real_input_tokens_per_sec": rate("tfpod_real_input"),
         "real_vs_synthetic": ratio(rate("tfpod_real_input"), rate("tfpod")),
         "mfu_fp32": mfu("tfpod", fp32), "mfu_bf16": mfu("tfpod_bf16", bf16),
@@ -560,10 +475,13 @@ def main(argv=None):
     p.add_argument("--repeats", type=int, default=1,
                    help="run the list this many times in rotation; each figure is its run's fastest")
     p.add_argument("--verbose", action="store_true", help="show each run's log")
+    p.add_argument("--keras_hub_python", help="the Python with keras_hub installed (default: this one)")
+    p.add_argument("--learning_rate", type=float, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     spec = MODELS[args.model]
     args.global_batch = args.global_batch or spec["batch"]
     args.seq_len = args.seq_len or spec["seq_len"]
+    args.learning_rate = spec["optimizer"]["learning_rate"]
     if args.warmup < 1 or args.steps < 1 or args.warmup % args.steps_per_loop or args.steps % args.steps_per_loop:
         p.error(f"--warmup={args.warmup} and --steps={args.steps} must be positive multiples of "
                 f"--steps_per_loop={args.steps_per_loop}")

@@ -150,14 +150,15 @@ def rope_frequencies(config: LlamaConfig) -> np.ndarray:
 
 def rotate(x: tf.Tensor, cos: tf.Tensor, sin: tf.Tensor) -> tf.Tensor:
     """x [batch, length, heads, d] rotated by its positions' angles (cos, sin [batch, length, 1, d / 2]),
-    the rotate-half pairing: (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin)."""
+    the rotate-half pairing: (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin). (A custom gradient,
+    the rotation back, measured no faster: docs/benchmarks.md.)"""
     x1, x2 = tf.split(x, 2, axis=-1)
     return tf.concat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
 
 
 class RMSNorm(tf_keras.layers.Layer):
-    """x * rsqrt(mean(x^2) + epsilon) * scale over the last axis, computed in float32 (as
-    Llama's: the normalized x is cast back to x's dtype before the scale)."""
+    """x * rsqrt(mean(x^2) + epsilon) * scale over the last axis, computed in float32
+    (`fused.rms_norm`: its own two-pass backward)."""
 
     def __init__(self, epsilon: float, **kwargs):
         super().__init__(**kwargs)
@@ -168,9 +169,7 @@ class RMSNorm(tf_keras.layers.Layer):
         super().build(input_shape)
 
     def call(self, x):
-        xf = tf.cast(x, tf.float32)
-        y = tf.cast(xf * tf.math.rsqrt(tf.reduce_mean(tf.square(xf), -1, keepdims=True) + self.epsilon), x.dtype)
-        return y * tf.cast(self.scale, x.dtype)
+        return fused.rms_norm(x, self.scale, self.epsilon)
 
     def get_config(self):
         return {**super().get_config(), "epsilon": self.epsilon}

@@ -43,6 +43,24 @@ def test_gelu_equals_tf_gelu_with_its_gradient(dtype, tol):
         np.testing.assert_allclose(g, w, rtol=tol, atol=tol)
 
 
+@pytest.mark.parametrize("dtype,tol", [(tf.float32, 1e-5), (tf.bfloat16, 2e-2)])
+def test_rms_norm_and_swiglu_equal_autodiff_of_their_formulas(dtype, tol):
+    """Llama's RMSNorm and SwiGLU, each with its own backward, against autodiff of the formula in float32."""
+    x = tf.cast(tf.random.stateless_normal([4, 6, 32], seed=[5, 1]) * 2.0, dtype)
+    scale = tf.random.stateless_normal([32], seed=[5, 2]) + 1.0
+    rms = lambda x, g: tf.cast(x, tf.float32) * tf.math.rsqrt(
+        tf.reduce_mean(tf.square(tf.cast(x, tf.float32)), -1, keepdims=True) + 1e-5) * g
+    got = _value_and_grads(lambda x, g: fused.rms_norm(x, g, 1e-5), x, scale)
+    want = _value_and_grads(rms, x, scale)
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(g, w, rtol=tol, atol=tol * np.abs(w).max())
+    up = tf.cast(tf.random.stateless_normal([4, 6, 32], seed=[5, 3]), dtype)
+    got = _value_and_grads(fused.swiglu, x, up)
+    want = _value_and_grads(lambda g, u: tf.nn.silu(tf.cast(g, tf.float32)) * tf.cast(u, tf.float32), x, up)
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(g, w, rtol=tol, atol=tol * np.abs(w).max())
+
+
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("dtype,tol", [(tf.float32, 2e-5), (tf.bfloat16, 5e-2)])
 def test_attention_equals_autodiff_of_the_softmax_form(dtype, tol, causal):

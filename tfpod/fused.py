@@ -67,6 +67,33 @@ def gelu(x: tf.Tensor):
     return y, grad
 
 
+def rms_norm(x: tf.Tensor, scale: tf.Tensor, epsilon: float) -> tf.Tensor:
+    """x * rsqrt(mean(x^2) + epsilon) * scale over the last axis (Llama's RMSNorm), computed in
+    float32 and returned in x's dtype, with a backward in two passes over x instead of
+    autodiff's five: d x = r * (dx^ - x^ * mean(dx^ * x^)), dx^ = dy * scale, d scale = sum(dy * x^).
+    """
+    axes = list(range(len(x.shape) - 1))
+
+    @tf.custom_gradient
+    def core(x, scale):
+        with scope():
+            xf = tf.cast(x, tf.float32)
+            r = tf.math.rsqrt(tf.reduce_mean(tf.square(xf), -1, keepdims=True) + epsilon)
+            normed = xf * r
+            y = tf.cast(normed * tf.cast(scale, tf.float32), x.dtype)
+
+        def grad(dy):
+            with scope():
+                dyf = tf.cast(dy, tf.float32)
+                d_normed = dyf * tf.cast(scale, tf.float32)
+                dx = r * (d_normed - normed * tf.reduce_mean(d_normed * normed, -1, keepdims=True))
+                return tf.cast(dx, x.dtype), tf.cast(tf.reduce_sum(dyf * normed, axes), scale.dtype)
+
+        return y, grad
+
+    return core(x, scale)
+
+
 @tf.custom_gradient
 def swiglu(gate: tf.Tensor, up: tf.Tensor):
     """silu(gate) * up (Llama's MLP), computed in float32 whatever the inputs' dtype.
