@@ -55,7 +55,7 @@ import tf_keras
 from official.nlp.modeling import layers as mg_layers
 from official.nlp.modeling import networks as mg_networks
 
-from tfpod import UserError, compat, evaluation, fused
+from tfpod import UserError, check_positive, compat, evaluation, fused
 from tfpod.input import bert_data
 from tfpod.models import gpt, lm_serving
 from tfpod.partitioning import AxisRule, shard
@@ -102,10 +102,8 @@ class BertConfig:
     norm_first: bool = False
 
     def __post_init__(self):
-        for field in ("vocab_size", "seq_len", "max_predictions", "num_layers", "hidden_size", "num_heads",
-                      "intermediate_size", "type_vocab_size"):
-            if getattr(self, field) < 1:
-                raise UserError(f"bert.{field}={getattr(self, field)} must be positive")
+        check_positive(self, "bert", ("vocab_size", "seq_len", "max_predictions", "num_layers", "hidden_size",
+                                      "num_heads", "intermediate_size", "type_vocab_size"))
         if self.hidden_size % self.num_heads:
             raise UserError(
                 f"bert.hidden_size={self.hidden_size} is not divisible by bert.num_heads={self.num_heads}: "

@@ -27,7 +27,7 @@ import tensorflow as tf
 import tf_keras
 from official.nlp.modeling import layers as mg_layers
 
-from tfpod import UserError, compat, evaluation, fused
+from tfpod import UserError, check_positive, compat, evaluation, fused
 from tfpod.input import lm_data
 from tfpod.models import lm_serving, plan_profiles
 from tfpod.partitioning import AxisRule, rows_split, shard
@@ -72,9 +72,7 @@ class GPTConfig:
     remat: bool = False
 
     def __post_init__(self):
-        for field in ("vocab_size", "seq_len", "num_layers", "embed_dim", "num_heads", "mlp_dim"):
-            if getattr(self, field) < 1:
-                raise UserError(f"gpt.{field}={getattr(self, field)} must be positive")
+        check_positive(self, "gpt", ("vocab_size", "seq_len", "num_layers", "embed_dim", "num_heads", "mlp_dim"))
         if self.embed_dim % self.num_heads:
             raise UserError(
                 f"gpt.embed_dim={self.embed_dim} is not divisible by gpt.num_heads={self.num_heads}: "

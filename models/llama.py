@@ -31,7 +31,7 @@ import tensorflow as tf
 import tf_keras
 from official.nlp.modeling import layers as mg_layers
 
-from tfpod import UserError, fused
+from tfpod import UserError, check_positive, fused
 from tfpod.input import lm_data
 from tfpod.models import gpt, lm_serving, plan_profiles
 from tfpod.partitioning import AxisRule, shard
@@ -88,9 +88,8 @@ class LlamaConfig:
     remat: bool = False
 
     def __post_init__(self):
-        for field in ("vocab_size", "seq_len", "num_layers", "embed_dim", "num_heads", "mlp_dim", "rope_original_len"):
-            if getattr(self, field) < 1:
-                raise UserError(f"{NAME}.{field}={getattr(self, field)} must be positive")
+        check_positive(self, NAME, ("vocab_size", "seq_len", "num_layers", "embed_dim", "num_heads", "mlp_dim",
+                                    "rope_original_len"))
         if self.num_kv_heads == 0:
             object.__setattr__(self, "num_kv_heads", self.num_heads)
         if self.embed_dim % self.num_heads:

@@ -45,6 +45,13 @@ class UserError(Exception):
     """
 
 
+def check_positive(config, prefix: str, fields) -> None:
+    """UserError naming the first of a config's `fields` below 1 (`prefix.field=value must be positive`)."""
+    for field in fields:
+        if getattr(config, field) < 1:
+            raise UserError(f"{prefix}.{field}={getattr(config, field)} must be positive")
+
+
 # Public names, imported on first use so `import tfpod` stays free of TensorFlow:
 #   tfpod.make_mesh("data:-1,model:2")         -> tfpod.mesh.make_mesh
 #   with tfpod.sharding(mesh, rules=...): ...  -> tfpod.keras.sharding (a user's Keras model, sharded)

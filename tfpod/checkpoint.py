@@ -32,7 +32,6 @@ from, and keeping the newest `keep` never drops the last finite one.
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import os
 import time

@@ -346,8 +346,7 @@ class Update:
             tf.cond(tf.math.is_finite(loss) & tf.math.is_finite(norm), lambda: self.apply(grads), skip)
             return loss, norm
         first, last = 0, placement.num_stages - 1
-        on = lambda x, source, s: stages.to_mesh(x, placement.stage(source).mesh,
-                                                 dtensor.Layout.replicated(placement.stage(s).mesh, 0))
+        on = lambda x, source, s: stages.scalar_to(x, placement.stage(source).mesh, placement.stage(s).mesh)
         squares = []
         for s in range(placement.num_stages):
             with placement.stage_activations(s):
@@ -411,7 +410,7 @@ class Update:
                 continue
             mesh = placement.stage(s).mesh
             with placement.stage_activations(s), stages.prefetched(scalars, mesh):
-                ok = stages.to_mesh(finite, placement.mesh, dtensor.Layout.replicated(mesh, 0))
+                ok = stages.scalar_to(finite, placement.mesh, mesh)
                 local = tf.nest.map_structure(
                     lambda t: stages.to_mesh(t, placement.mesh, dtensor.Layout.replicated(mesh, t.shape.rank))
                     if isinstance(t, tf.Tensor) else t, coefficients)

@@ -172,12 +172,11 @@ class Trainer:
         self._eval_step = None
         self.pipeline = None
         if self.pipelined:
-            if placement.stages:
-                for v in self.model.variables:
-                    partitioning.stages.follow_active_mesh(v)
-                self.update.follow_stages()
-                self.state.save_through(self.model.variables + optimizers.slot_variables(self.optimizer)
-                                        + self.update.shadow_list(), placement.mesh)
+            for v in self.model.variables:
+                partitioning.stages.follow_active_mesh(v)
+            self.update.follow_stages()
+            self.state.save_through(self.model.variables + optimizers.slot_variables(self.optimizer)
+                                    + self.update.shadow_list(), placement.mesh)
             self.pipeline = pipeline.Pipeline(pipeline.staged_model(task, self.model), task.loss_counts, placement,
                                               self.update.variables, schedule, microbatches)
             executor, homes = self.pipeline.loss_and_gradients, self.pipeline.homes

@@ -104,6 +104,11 @@ def to_mesh(x: tf.Tensor, source: dtensor.Mesh, layout: dtensor.Layout) -> tf.Te
     return dtensor.relayout(copied, layout)
 
 
+def scalar_to(x: tf.Tensor, source: dtensor.Mesh, target: dtensor.Mesh) -> tf.Tensor:
+    """A scalar on mesh `source` copied to `target`, replicated (its gradient flows back)."""
+    return to_mesh(x, source, dtensor.Layout.replicated(target, 0))
+
+
 def moved(layout: dtensor.Layout, mesh: dtensor.Mesh) -> dtensor.Layout:
     """The same sharding on another stage's mesh."""
     return dtensor.Layout(list(layout.sharding_specs), mesh)
@@ -136,16 +141,15 @@ def prefetched(variables: Sequence, mesh: dtensor.Mesh):
     """Within this block of a step's trace, reads of `variables` (made to `follow_active_mesh`) on `mesh`'s stage
     return copies made now, on entering it (before a tf.cond whose branches read them)."""
     values = {}
+    active = active_context()
     for v in variables:
         inner = compat.inner_variable(v)
         home = inner.layout
         if not same_mesh(home.mesh, mesh):
-            active = active_context()
             value = inner.read_value()  # a copy on the active stage when it is `mesh`'s (see the reader)
             if active is None or not same_mesh(active.mesh, mesh):
                 value = to_mesh(value, home.mesh, moved(home, mesh))
             values[(id(inner), mesh.to_string())] = value
-    active = active_context()
     before = {} if active is None else active.prefetched
     with within("stages.prefetched", prefetched={**before, **values}):
         yield

@@ -21,7 +21,6 @@ from typing import Mapping, Sequence
 
 import numpy as np
 import tensorflow as tf
-from tensorflow.experimental import dtensor
 
 from tfpod import compat
 from tfpod.partitioning import Placement, gathered_weights, layout_for, shard, stages
@@ -115,7 +114,7 @@ class Pipeline:
 
     def scalar_on(self, x: tf.Tensor, source: int, s: int) -> tf.Tensor:
         """A scalar on stage `source` copied to stage s."""
-        return stages.to_mesh(x, self.meshes[source], dtensor.Layout.replicated(self.meshes[s], 0))
+        return stages.scalar_to(x, self.meshes[source], self.meshes[s])
 
     # -- host side ----------------------------------------------------------------
 

@@ -52,7 +52,7 @@ def _meshes(num_devices: int, names: tuple) -> Iterator[str]:
 def candidates(planner: Planner, mesh: str | None = None) -> Iterator[Choice]:
     """Every choice to plan for this experiment on the planner's devices (on `mesh`
     only when given: sharding.preset='auto' with a mesh chooses the rest)."""
-    task, model = planner.c.task, planner.c.model
+    task = planner.c.task
     logical = {a for rule in task.axis_rules for a in rule.axes if a}
     names = ["data"]
     if logical & {"heads", "mlp", "vocab"}:
