@@ -59,6 +59,11 @@ class LMDataConfig(DataConfig):
       ids_feature: the TFRecord feature holding a document's token ids (format ids).
       eos_id: the id appended to every document (the boundary the LM learns; GPT-2's
         <|endoftext|> is 50256); None: the prepared vocabulary's EOS (3). Format ids needs it.
+      bos_id: the id put before every document and every served prompt, as the model's
+        tokenizer does (Llama 2 and Mistral: 1, Llama 3: 128000; set by the Hub import);
+        None: none, and served prompts start after an EOS (the boundary documents follow).
+      append_eos: False: documents are concatenated with nothing between them (what
+        Megatron data prepared without --append-eod trains on: MLPerf's Llama 3.1 C4).
       vocab_path: SentencePiece model; None: the prepared corpus's, of `vocab_size`
         (not read with format ids).
       vocab_size: vocabulary size to train when preparing the default corpus.
@@ -78,6 +83,8 @@ class LMDataConfig(DataConfig):
     text_feature: str = "text"
     ids_feature: str = "ids"
     eos_id: int | None = None
+    bos_id: int | None = None
+    append_eos: bool = True
     vocab_path: str | None = None
     vocab_size: int = 2048
     seq_len: int | None = None
@@ -93,14 +100,26 @@ class LMDataConfig(DataConfig):
             raise UserError(f"lm_data.packing={self.packing!r}: use one of {', '.join(PACKINGS)}")
         if self.eos_id is not None and self.eos_id < 0:
             raise UserError(f"lm_data.eos_id={self.eos_id} must be a token id >= 0 (or None: the prepared EOS)")
+        if self.bos_id is not None and self.bos_id < 0:
+            raise UserError(f"lm_data.bos_id={self.bos_id} must be a token id >= 0 (or None: no BOS)")
         if self.format == "ids" and self.eos_id is None:
             raise UserError("lm_data.format='ids' needs lm_data.eos_id, the document boundary id of the tokenizer "
                             "that wrote the ids: set it (GPT-2: 50256)")
 
     @property
     def eos(self) -> int:
-        """The id appended to every document."""
+        """The end-of-document id (generation stops at it)."""
         return prepare.EOS_ID if self.eos_id is None else self.eos_id
+
+    @property
+    def appended(self) -> int | None:
+        """The id appended to every document, None for none (`append_eos=False`)."""
+        return self.eos if self.append_eos else None
+
+    @property
+    def prompt_start(self) -> int | None:
+        """The id a served prompt starts with: BOS, else the EOS documents follow, else none."""
+        return self.bos_id if self.bos_id is not None else self.appended
 
 
 @dataclasses.dataclass(frozen=True)
@@ -239,7 +258,12 @@ def check_ids_file(path: str, cfg: LMDataConfig, vocab_size: int, model: str = "
         found = ", ".join(f"{k} ({v.WhichOneof('kind')})" for k, v in sorted(feature.items())) or "none"
         raise UserError(f"records in {path} have no int64 list feature {cfg.ids_feature!r} (found: {found}): set "
                         f"lm_data.ids_feature to the feature holding the token ids, or {_IDS_FIX}")
-    outside = [i for i in feature[cfg.ids_feature].int64_list.value if not 0 <= i < vocab_size]
+    ids = feature[cfg.ids_feature].int64_list.value
+    if cfg.bos_id is not None and ids and ids[0] == cfg.bos_id:
+        raise UserError(f"records in {path} already start with lm_data.bos_id={cfg.bos_id}, which the reader puts "
+                        "before every document: write the ids without it (Hugging Face tokenizers: "
+                        "add_special_tokens=False) or set lm_data.bos_id=None")
+    outside = [i for i in ids if not 0 <= i < vocab_size]
     if outside:
         raise UserError(f"records in {path} hold token id {outside[0]}, outside [0, {model}.vocab_size={vocab_size}): "
                         f"set {model}.vocab_size to the vocabulary the ids were written with (GPT-2: 50257)")
@@ -248,7 +272,7 @@ def check_ids_file(path: str, cfg: LMDataConfig, vocab_size: int, model: str = "
 def id_documents(plan: files_lib.HostShard, cfg: LMDataConfig, seed: int, repeat: bool, vocab_size: int,
                  model: str = "gpt",
                  batch_size: int = 64) -> tf.data.Dataset:
-    """[None] int32 token ids of each record of this host's format-ids files, `cfg.eos` appended.
+    """[None] int32 token ids of each record of this host's format-ids files, framed by `cfg.bos_id` and `cfg.eos`.
 
     The first file's first record is checked before anything is read (`check_ids_file`);
     every record's ids are checked as they are read: an id outside [0, vocab_size) stops
@@ -281,9 +305,7 @@ def id_documents(plan: files_lib.HostShard, cfg: LMDataConfig, seed: int, repeat
         check = tf.debugging.Assert(ok, [tf.cond(ok, lambda: tf.constant(""), message)])
         with tf.control_dependencies([check]):
             ids = tf.cast(ids, tf.int32)
-        eos = tf.RaggedTensor.from_tensor(tf.fill([tf.shape(batch)[0], 1], tf.constant(cfg.eos, tf.int32)),
-                                          row_splits_dtype=ids.row_splits.dtype)
-        return tf.concat([ids, eos], axis=1)  # [B, (n + 1)]
+        return text.frame(ids, cfg.appended, cfg.bos_id)  # [B, ([bos] n [eos])]
 
     ds = records.read(plan, seed, repeat, cfg.cycle_length, cfg.skip_corrupt, with_paths=True)
     ds = ds.batch(batch_size).map(parse, num_parallel_calls=tf.data.AUTOTUNE, deterministic=True)
@@ -313,10 +335,10 @@ def lm_dataset(cfg: LMDataConfig, pattern: str, vocab_path: str | None, seq_len:
       A dataset of host batches [host_rows, seq_len] (when not repeating, the last
       batch may be shorter).
     """
-    if model_vocab_size is not None and cfg.eos >= model_vocab_size:
-        raise UserError(f"lm_data.eos_id={cfg.eos} is not below {model}.vocab_size={model_vocab_size}: set "
-                        f"lm_data.eos_id to the tokenizer's end-of-document id, or {model}.vocab_size to its "
-                        "vocabulary's size")
+    for name, token in (("eos_id", cfg.eos), ("bos_id", cfg.bos_id)):
+        if model_vocab_size is not None and token is not None and token >= model_vocab_size:
+            raise UserError(f"lm_data.{name}={token} is not below {model}.vocab_size={model_vocab_size}: set "
+                            f"lm_data.{name} to the tokenizer's id, or {model}.vocab_size to its vocabulary's size")
     plan = host_shard(pattern, shard, seed)
     if cfg.format == "ids":
         if model_vocab_size is None:
@@ -331,7 +353,7 @@ def lm_dataset(cfg: LMDataConfig, pattern: str, vocab_path: str | None, seq_len:
                 f"vocabulary {vocab_path} has {vocab} pieces but the model has {model}.vocab_size={model_vocab_size}: "
                 f"set {model}.vocab_size >= {vocab} or use a smaller vocabulary"
             )
-        ds = text.tokenize(documents(plan, cfg, seed, repeat), tokenizer, eos_id=cfg.eos)
+        ds = text.tokenize(documents(plan, cfg, seed, repeat), tokenizer, eos_id=cfg.appended, bos_id=cfg.bos_id)
     if not repeat:  # evaluation: rows independent of how files split over hosts
         ds = records.host_share(text.pack_documents(ds, seq_len, pad_id=prepare.PAD_ID), cfg.max_eval_examples, shard)
     elif cfg.packing == "concat":

@@ -5,7 +5,7 @@
 
 The second form trains a SentencePiece vocabulary on your own text files (each line a
 sentence; TFRecord files of a `text` feature too) with tfpod's special ids, for
-`lm_data.vocab_path`.
+`lm_data.vocab_path`. (Megatron's pre-tokenized `.bin/.idx` datasets: `python -m tfpod.input.megatron`.)
 
 Every `.py` file of the running interpreter's standard library (site-packages
 excluded) is one document. Files go to the held-out eval split by a hash of their

@@ -258,21 +258,31 @@ class WordPieceTokenizer(tf.Module):
         return self._table.lookup(tf.convert_to_tensor(strings, tf.string))
 
 
+def frame(ids: tf.RaggedTensor, eos_id: int | None, bos_id: int | None = None) -> tf.RaggedTensor:
+    """[B, (n)] int32 documents with `bos_id` put before and `eos_id` after each (None: nothing)."""
+    rows = tf.fill([ids.nrows(out_type=tf.int32), 1], 0)
+    edge = lambda token: tf.RaggedTensor.from_tensor(rows + token, row_splits_dtype=ids.row_splits.dtype)
+    parts = ([edge(bos_id)] if bos_id is not None else []) + [ids] + ([edge(eos_id)] if eos_id is not None else [])
+    return tf.concat(parts, axis=1) if len(parts) > 1 else ids
+
+
 def tokenize(
     ds: tf.data.Dataset,
     tokenizer: tf_text.SentencepieceTokenizer | WordPieceTokenizer,
-    eos_id: int,
+    eos_id: int | None,
     batch_size: int = 64,
     num_parallel_calls: int = _AUTOTUNE,
+    bos_id: int | None = None,
 ) -> tf.data.Dataset:
-    """Tokenizes documents and appends EOS to each, in input order.
+    """Tokenizes documents and appends EOS to each (and puts BOS before each), in input order.
 
     Args:
       ds: yields scalar tf.string documents.
       tokenizer: e.g. from `load_tokenizer`.
-      eos_id: id appended to every document.
+      eos_id: id appended to every document (None: none).
       batch_size: documents tokenized per call (the last batch may be smaller).
       num_parallel_calls: parallel tokenizer calls; output order is kept regardless.
+      bos_id: id put before every document (None: none).
 
     Returns:
       Dataset of [None] int32 token ids, one element per document.
@@ -280,9 +290,7 @@ def tokenize(
     _check_positive(batch_size=batch_size)
 
     def tokenize_batch(docs: tf.Tensor) -> tf.RaggedTensor:
-        ids = tf.cast(tokenizer.tokenize(docs), tf.int32)  # [B, (tokens)]
-        eos = tf.RaggedTensor.from_tensor(tf.fill([tf.shape(docs)[0], 1], tf.constant(eos_id, tf.int32)))
-        return tf.concat([ids, eos], axis=1)  # [B, (tokens + 1)]
+        return frame(tf.cast(tokenizer.tokenize(docs), tf.int32), eos_id, bos_id)  # [B, (tokens + 1)]
 
     ds = ds.batch(batch_size).map(tokenize_batch, num_parallel_calls=num_parallel_calls, deterministic=True)
     # Unbatched rows of a ragged batch are plain tensors with a RaggedTensorSpec of ragged_rank 0;

@@ -94,12 +94,12 @@ def serving(model, config, data_config, whole_sequences: bool = False) -> tuple[
 
     tokenizer = text_lib.load_tokenizer(lm_data.resolve(data_config).vocab_path)
     module.tokenizer = tokenizer
-    eos = data_config.eos  # the run's end-of-document id (the boundary its documents were trained with)
+    eos = data_config.eos  # the run's end-of-document id: generation stops there
+    start = data_config.prompt_start  # what its documents start with (BOS, or after an EOS)
 
     def prompts(texts):
-        ids = tokenizer.tokenize(texts)  # ragged [batch, pieces]
-        start = tf.RaggedTensor.from_tensor(tf.fill([tf.shape(texts)[0], 1], eos))
-        return tf.concat([start, ids], axis=1)[:, -seq_len:]
+        ids = text_lib.frame(tf.cast(tokenizer.tokenize(texts), tf.int32), None, start)  # ragged [batch, pieces]
+        return ids[:, -seq_len:]
 
     @tf.function(input_signature=[tf.TensorSpec([None], tf.string, name="text")])
     def serving_default(texts):

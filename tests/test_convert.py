@@ -327,7 +327,13 @@ def test_mistral_and_llama_folders_import_with_transformers_logits_and_export_ba
     assert c.data.vocab_path == str(tmp_path / "mistral_run" / "tokenizer.model") and c.data.eos == 2
     _, signatures = c.task.serving(ours, c.model, c.data)
     assert {"serving_default", "generate", "ids"} == set(signatures)
-    assert signatures["serving_default"](tf.constant(["bak cem"]))["logits"].shape == (1, MISTRAL["vocab_size"])
+    # A served prompt starts with the model's BOS (1), as its tokenizer does in transformers.
+    assert c.data.bos_id == 1
+    served = signatures["serving_default"](tf.constant(["bak cem"]))["logits"].numpy()
+    pieces = spm.SentencePieceProcessor(model_file=str(tmp_path / "mistral" / "tokenizer.model")).encode("bak cem")
+    prompt = tf.constant([[1] + pieces])
+    np.testing.assert_allclose(served[0], model(prompt).logits.numpy()[0, -1], atol=1e-4, rtol=0)
+    assert np.abs(served[0] - model(prompt[:, 1:]).logits.numpy()[0, -1]).max() > 1e-3  # BOS changes the answer
     assert single_device(tmp_path / "llama_run")[0].data.format == "ids"
 
     run, out = tmp_path / "llama_run", tmp_path / "out"
@@ -370,3 +376,27 @@ def test_llama_configs_tfpod_cannot_run_are_one_line_naming_each_value(tmp_path)
         gpt2_family.model_config({"vocab_size": 96, "n_head": 4})
     with pytest.raises(UserError, match=r"^config.json: num_attention_heads missing"):
         bert_family.model_config({k: v for k, v in {**base, "model_type": "bert"}.items() if k != "num_attention_heads"})
+
+
+FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures")
+
+
+def test_a_llama31_folder_written_by_pytorch_transformers_imports_with_its_logits(tmp_path):
+    """tests/fixtures/llama31_tiny: PyTorch transformers' LlamaForCausalLM with Llama 3.1's
+    rope_scaling (original length 16, 64 positions: every frequency band in use) and tied
+    embeddings, saved by save_pretrained, with its own logits (tests/fixtures/make_fixtures.py).
+    tfpod's import computes them; the same weights without the scaling do not."""
+    expected = np.load(os.path.join(FIXTURES, "llama31_tiny", "logits.npz"))
+    convert.import_hub(os.path.join(FIXTURES, "llama31_tiny"), str(tmp_path / "run"))
+    c, ours = single_device(tmp_path / "run")
+    assert (c.model.rope_scaling_factor, c.model.rope_original_len, c.model.tie_embeddings) == (8.0, 16, True)
+    assert (c.data.bos_id, c.data.eos) == (1, 2)
+    got = ours({"inputs": tf.constant(expected["ids"])}).numpy()
+    assert np.abs(expected["logits"]).max() > 1.0
+    np.testing.assert_allclose(got, expected["logits"], atol=1e-4, rtol=0)
+    from tfpod.models import llama
+
+    unscaled = llama.Llama(dataclasses.replace(c.model, rope_scaling_factor=0.0))
+    unscaled({"inputs": tf.constant(expected["ids"])})
+    unscaled.set_weights(ours.get_weights())
+    assert np.abs(unscaled({"inputs": tf.constant(expected["ids"])}).numpy() - expected["logits"]).max() > 1e-2

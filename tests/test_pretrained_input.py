@@ -58,6 +58,62 @@ def test_ids_records_pack_into_the_written_ids(tmp_path):
 
 
 @pytest.mark.unit
+def test_bos_before_and_no_eos_after_documents_as_set(tmp_path):
+    """lm_data.bos_id puts the model's BOS before every document; append_eos=False joins
+    documents with nothing between them (Megatron data without --append-eod); ids that
+    already start with the BOS are refused in one line."""
+    cfg = ids_config(write(tmp_path / "ids.tfrecord", DOCS), bos_id=1)
+    stream = [t for r in rows(lm_data.lm_dataset(cfg, cfg.train_files, None, 4, 1, ShardInfo(0, 1), 0, 32), 3)
+              for t in r["inputs"] + r["targets"][-1:]]  # rows are the stream cut every seq_len + 1 tokens
+    assert stream == [1, 11, 12, 13, EOS, 1, 14, 15, EOS, 1, 16, 17, 18, 19, 20]
+    cfg = ids_config(cfg.train_files, append_eos=False)
+    stream = [t for r in rows(lm_data.lm_dataset(cfg, cfg.train_files, None, 4, 1, ShardInfo(0, 1), 0, 32), 3)
+              for t in r["inputs"] + r["targets"][-1:]]
+    assert stream == [11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 11, 12, 13, 14]
+    with pytest.raises(UserError, match=r"records in .* already start with lm_data.bos_id=11, which the reader puts "
+                                        r"before every document: write the ids without it .* or set lm_data.bos_id"):
+        lm_data.lm_dataset(ids_config(cfg.train_files, bos_id=11), cfg.train_files, None, 4, 1, ShardInfo(0, 1), 0, 32)
+    with pytest.raises(UserError, match=r"lm_data.bos_id=99 is not below gpt.vocab_size=32"):
+        lm_data.lm_dataset(ids_config(cfg.train_files, bos_id=99), cfg.train_files, None, 4, 1, ShardInfo(0, 1), 0, 32)
+
+
+@pytest.mark.unit
+def test_megatron_datasets_written_by_megatron_core_convert_to_the_same_documents(tmp_path):
+    """tests/fixtures/megatron: .bin/.idx pairs written by megatron-core's IndexedDatasetBuilder
+    (int32 tokens as MLPerf's Llama 3.1 C4, uint16 ones; a two-sequence document, an empty one)
+    convert with `python -m tfpod.input.megatron` into id records holding the
+    same documents in order, which lm_data reads as the reference's token stream."""
+    import json
+    import os
+
+    from tfpod.input import megatron
+
+    here = os.path.join(os.path.dirname(__file__), "fixtures", "megatron")
+    written = json.load(open(os.path.join(here, "documents.json")))
+    prefixes = [os.path.join(here, name) for name in sorted(written)]
+    assert megatron.main([f"--from={','.join(prefixes)}", f"--ids_out={tmp_path / 'ids'}", "--shards=2"]) == 0
+    for name, docs in written.items():
+        assert [d.tolist() for d in megatron.documents(os.path.join(here, name))] == docs
+        files = sorted(str(p) for p in (tmp_path / "ids").glob(f"{name}-*"))
+        assert len(files) == 2
+        read = [tf.train.Example.FromString(r.numpy()).features.feature["ids"].int64_list.value
+                for f in files for r in tf.data.TFRecordDataset(f)]
+        assert [list(d) for d in read] == docs
+    c4 = sorted(str(p) for p in (tmp_path / "ids").glob("c4_int32*"))
+    cfg = ids_config(",".join(c4), append_eos=False, eos_id=128001)
+    stream = [t for r in rows(lm_data.lm_dataset(cfg, cfg.train_files, None, 4, 1, ShardInfo(0, 1), 0, 128256,
+                                                 repeat=False)) for t in r["inputs"][:1]]
+    assert stream[0] == written["c4_int32_text_document"][0][0] == 128255
+    assert megatron.main([f"--from={prefixes[0]}", f"--ids_out={tmp_path / 'ids'}", "--shards=2"]) == 1  # exists
+    (tmp_path / "bad.idx").write_bytes(b"NOTANIDX" + bytes(40))
+    (tmp_path / "bad.bin").write_bytes(b"")
+    with pytest.raises(UserError, match=r"bad.idx is not a Megatron mmap index .*: pass the path prefix"):
+        megatron.Index(str(tmp_path / "bad"))
+    with pytest.raises(UserError, match=r"missing.idx does not exist"):
+        megatron.Index(str(tmp_path / "missing"))
+
+
+@pytest.mark.unit
 def test_ids_input_needs_no_vocabulary_and_splits_files_over_hosts(tmp_path):
     """lm_input as the GPT task calls it: no corpus prepared, hosts read disjoint files, the
     eval split packs each document alone, and the training iterator is checkpointable."""

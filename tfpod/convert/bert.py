@@ -53,9 +53,9 @@ def model_config(hub: dict) -> bert.BertConfig:
                            next_sentence=architecture == "BertForPreTraining")
 
 
-def hub_config(c: bert.BertConfig, eos_id: int | None = None) -> dict:
-    """config.json of a tfpod bert as BertForPreTraining."""
-    del eos_id
+def hub_config(c: bert.BertConfig, data=None) -> dict:
+    """config.json of a tfpod bert as BertForPreTraining (`data`, the run's data config, adds nothing)."""
+    del data
     if c.activation not in TO_HUB_ACTIVATION:
         raise UserError(f"bert.activation={c.activation!r} has no Hugging Face equivalent")
     if c.norm_first:

@@ -54,12 +54,13 @@ def model_config(hub: dict) -> gpt.GPTConfig:
                          init_stddev=hub.get("initializer_range", 0.02), activation=ACTIVATIONS[act])
 
 
-def hub_config(c: gpt.GPTConfig, eos_id: int | None = None) -> dict:
-    """config.json of a tfpod gpt as GPT2LMHeadModel."""
+def hub_config(c: gpt.GPTConfig, data=None) -> dict:
+    """config.json of a tfpod gpt as GPT2LMHeadModel (`data`: the run's data config, for its EOS)."""
     if c.activation not in TO_HUB_ACTIVATION:
         raise UserError(f"gpt.activation={c.activation!r} has no GPT-2 equivalent: export needs one of "
                         f"{', '.join(TO_HUB_ACTIVATION)}")
-    eos = c.vocab_size - 1 if eos_id is None else eos_id
+    eos = getattr(data, "eos_id", None)
+    eos = c.vocab_size - 1 if eos is None else eos
     return {"architectures": [EXPORT_ARCHITECTURE], "model_type": MODEL_TYPE, "vocab_size": c.vocab_size,
             "n_positions": c.seq_len, "n_ctx": c.seq_len, "n_embd": c.embed_dim, "n_layer": c.num_layers,
             "n_head": c.num_heads, "n_inner": c.mlp_dim, "activation_function": TO_HUB_ACTIVATION[c.activation],

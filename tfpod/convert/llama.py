@@ -68,19 +68,21 @@ def model_config(hub: dict) -> llama.LlamaConfig:
         attention_dropout=float(hub.get("attention_dropout", 0.0)), **rope)
 
 
-def hub_config(c: llama.LlamaConfig, eos_id: int | None = None) -> dict:
-    """config.json of a tfpod llama as LlamaForCausalLM."""
+def hub_config(c: llama.LlamaConfig, data=None) -> dict:
+    """config.json of a tfpod llama as LlamaForCausalLM (`data`: the run's data config, for its EOS and BOS)."""
     if c.dropout:
         log.warning("llama.dropout=%s has no LlamaForCausalLM equivalent (only attention_dropout): not exported",
                     c.dropout)
-    eos = c.vocab_size - 1 if eos_id is None else eos_id
+    eos = getattr(data, "eos_id", None)
+    eos = c.vocab_size - 1 if eos is None else eos
+    bos = getattr(data, "bos_id", None)
     out = {"architectures": [EXPORT_ARCHITECTURE], "model_type": MODEL_TYPE, "vocab_size": c.vocab_size,
            "max_position_embeddings": c.seq_len, "hidden_size": c.embed_dim, "intermediate_size": c.mlp_dim,
            "num_hidden_layers": c.num_layers, "num_attention_heads": c.num_heads,
            "num_key_value_heads": c.num_kv_heads, "hidden_act": "silu", "rms_norm_eps": c.norm_epsilon,
            "rope_theta": c.rope_theta, "attention_bias": c.qkv_bias, "attention_dropout": c.attention_dropout,
            "mlp_bias": False, "tie_word_embeddings": c.tie_embeddings, "initializer_range": c.init_stddev,
-           "bos_token_id": eos, "eos_token_id": eos, "use_cache": True, "rope_scaling": None}
+           "bos_token_id": eos if bos is None else bos, "eos_token_id": eos, "use_cache": True, "rope_scaling": None}
     if c.rope_scaling_factor:
         out["rope_scaling"] = {"rope_type": "llama3", "factor": c.rope_scaling_factor,
                                "low_freq_factor": c.rope_low_freq_factor, "high_freq_factor": c.rope_high_freq_factor,
@@ -131,9 +133,11 @@ def gin(c: llama.LlamaConfig, hub: dict, vocab: str | None) -> list[str]:
     documents end with its EOS."""
     eos = hub.get("eos_token_id", c.vocab_size - 1)
     eos = eos[0] if isinstance(eos, list) else eos
+    bos = hub.get("bos_token_id")
+    ids = [f"lm_data.eos_id = {eos}"] + ([] if bos is None else [
+        "# Documents and served prompts start with the model's BOS, as its tokenizer does.", f"lm_data.bos_id = {bos}"])
     if vocab is not None:
         return ["# The model's SentencePiece tokenizer.model runs in the input pipeline and the SavedModel;",
-                "# set lm_data.train_files (text or TFRecords of text).", f"lm_data.vocab_path = {vocab!r}",
-                f"lm_data.eos_id = {eos}"]
-    return ["# Train on TFRecords of the model's own token ids (docs/pretrained.md); set lm_data.train_files",
-            "# (and eval_files).", "lm_data.format = 'ids'", f"lm_data.eos_id = {eos}"]
+                "# set lm_data.train_files (text or TFRecords of text).", f"lm_data.vocab_path = {vocab!r}"] + ids
+    return ["# Train on TFRecords of the model's own token ids without BOS (docs/pretrained.md); set",
+            "# lm_data.train_files (and eval_files).", "lm_data.format = 'ids'"] + ids
