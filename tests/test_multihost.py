@@ -8,6 +8,8 @@ import subprocess
 import time
 
 import numpy as np
+import pytest
+import tensorflow as tf
 
 from conftest import device_mesh, launch_command, main_command, make_run
 from tfpod.api import run
@@ -214,19 +216,37 @@ def test_without_a_launcher_a_frozen_host_is_named_by_the_heartbeat(tmp_path):
     assert errors_[-1].startswith("error: lost host 1 of 2 (") and "relaunch the same command on every host" in errors_[-1]
 
 
-def test_two_hosts_train_llama_with_one_devices_losses(tmp_path):
+def test_two_hosts_train_resume_and_evaluate_llama_with_one_devices_numbers(tmp_path):
     """The Llama-family decoder (grouped-query attention: 2 key/value heads, replicated over
-    model:4) on 2 local hosts x 4 devices, data:2,model:4 across them: each step's loss is one
-    device's. (Evaluation, checkpoints and resuming on 2 hosts are the model's own: tested with
-    gpt above and in test_eval.)"""
-    params = ["train.synthetic_data=True", "train.steps=4", "train.global_batch_size=16", "train.steps_per_loop=2",
-              "train.log_every=1", "train.checkpoint_every=4", "optimizer.warmup_steps=0"]
+    model:4) on 2 local hosts x 4 devices, data:2,model:4 across them: 2 steps and a
+    checkpoint, relaunched to resume to step 4 (each step's loss is one device's, run straight
+    through), then evaluated on 2 hosts on a file of the default corpus's eval split (each host
+    every other record): one device's evaluation of the same checkpoint gives the same metrics
+    over the same rows. (`max_eval_examples` would take the first rows of each host's share.)"""
+    params = ["train.synthetic_data=True", "train.global_batch_size=16", "train.steps_per_loop=2",
+              "train.log_every=1", "train.checkpoint_every=2", "optimizer.warmup_steps=0",
+              "optimizer.decay_steps=8"]  # one schedule for both launches
     d = tmp_path / "two"
-    out = subprocess.run(launch_command(2, 4, "--gin_file=gin/llama_tiny.gin", "--mesh=data:2,model:4",
-                                        f"--model_dir={d}", *[f"--gin_param={p}" for p in params]),
-                         cwd=ROOT, capture_output=True, text=True, timeout=600)
-    assert out.returncode == 0, errors(out)
+    launch = lambda *args: subprocess.run(
+        launch_command(2, 4, "--gin_file=gin/llama_tiny.gin", "--mesh=data:2,model:4", f"--model_dir={d}", *args),
+        cwd=ROOT, capture_output=True, text=True, timeout=600)
+    for steps in (2, 4):
+        out = launch(*[f"--gin_param={p}" for p in params + [f"train.steps={steps}"]])
+        assert out.returncode == 0, errors(out)
     assert "host 1 of 2" in out.stdout and "llama variables on mesh data:2,model:4" in out.stdout
-    run(["gin/llama_tiny.gin"], params, str(tmp_path / "one"), mesh=device_mesh())
-    assert len(losses(d)) == 4
-    np.testing.assert_allclose(losses(d), losses(tmp_path / "one"), rtol=2e-5)
+    assert "trained steps 2..4" in out.stdout, out.stdout[-2000:]  # resumed from the checkpoint at 2
+    run(["gin/llama_tiny.gin"], params + ["train.steps=4"], str(tmp_path / "one"), mesh=device_mesh())
+    assert sorted(logged_losses(d)) == [1, 2, 3, 4]
+    np.testing.assert_allclose([logged_losses(d)[s] for s in range(1, 5)],
+                               [logged_losses(tmp_path / "one")[s] for s in range(1, 5)], rtol=2e-5)
+    from tfpod.input import prepare
+
+    first = sorted(tf.io.gfile.glob(prepare.split_paths(prepare.ensure(), "eval")))[0]  # one file, split by records
+    evaluation = params[1:] + ["train.steps=4", f"lm_data.eval_files='{first}'"]
+    out = launch("--mode=eval", *[f"--gin_param={p}" for p in evaluation])
+    assert out.returncode == 0, errors(out)
+    two = [json.loads(l) for l in open(d / "metrics.jsonl") if '"eval"' in l][-1]
+    one = run(["gin/llama_tiny.gin"], evaluation, str(d), mode="eval", mesh=device_mesh())
+    assert two["step"] == one["step"] == 4 and two["num_examples"] == one["num_examples"] > 0
+    for key in ("loss", "perplexity", "token_accuracy"):
+        assert two[key] == pytest.approx(one[key], rel=1e-5), (key, two, one)
