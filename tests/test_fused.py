@@ -146,6 +146,35 @@ def test_avg_pool_equals_tensorflows_with_its_gradient(pool, strides, padding):
     assert np.abs(want_dx).max() > 0.1
 
 
+@pytest.mark.parametrize("kernel,strides,padding,dilations,multiplier", [
+    ((3, 3), (1, 1), "SAME", (1, 1), 1), ((3, 3), (2, 2), "SAME", (1, 1), 1), ((5, 5), (2, 2), "VALID", (1, 1), 2),
+    ((3, 2), (2, 2), "SAME", (1, 1), 1), ((3, 3), (1, 1), "SAME", (2, 2), 1), ((2, 3), (3, 3), "VALID", (1, 1), 1)])
+def test_depthwise_conv_gradients_equal_tensorflows(kernel, strides, padding, dilations, multiplier):
+    """fused.depthwise_conv2d's input and filter gradients (stride phases, one product sum
+    per tap) against TensorFlow's own kernels, in float64. Error model: each gradient value
+    sums at most batch x out_h x out_w products (the filter's) or kh x kw x multiplier (the
+    input's), in another order: within that many 2^-53 of the sum of their magnitudes."""
+    rng = np.random.default_rng(0)
+    x = tf.constant(rng.normal(size=(3, 9, 8, 4)))
+    k = tf.constant(rng.normal(size=(*kernel, 4, multiplier)))
+    results = []
+    for f in (lambda x, k: fused.depthwise_conv2d(x, k, strides, padding, dilations),
+              lambda x, k: tf.nn.depthwise_conv2d(x, k, [1, *strides, 1], padding, dilations=dilations)):
+        with tf.GradientTape() as tape:
+            tape.watch([x, k])
+            y = f(x, k)
+            w = tf.constant(np.random.default_rng(1).normal(size=y.shape))
+            total = tf.reduce_sum(y * w)
+        results.append([y.numpy()] + [g.numpy() for g in tape.gradient(total, [x, k])] + [w.numpy()])
+    (y, dx, dk, w), (want_y, want_dx, want_dk, _) = results
+    np.testing.assert_array_equal(y, want_y)
+    terms = y.shape[0] * y.shape[1] * y.shape[2]
+    np.testing.assert_allclose(dk, want_dk, rtol=0, atol=terms * 2.0 ** -52 * terms * np.abs(x).max() * np.abs(w).max())
+    taps = kernel[0] * kernel[1] * multiplier
+    np.testing.assert_allclose(dx, want_dx, rtol=0, atol=taps * 2.0 ** -52 * taps * np.abs(k).max() * np.abs(w).max())
+    assert np.abs(want_dk).max() > 1.0 and np.abs(want_dx).max() > 0.5
+
+
 @pytest.mark.parametrize("dtype", [tf.float32, tf.bfloat16])
 def test_output_layer_loss_equals_the_logits_loss_with_its_gradient(dtype):
     """gpt.output_layer_loss (softmax once, one-hot terms as gathers) and the model's other

@@ -93,6 +93,19 @@ def test_checkpoints_move_between_pipelined_and_unpipelined_meshes(tmp_path, ref
     np.testing.assert_allclose(piped["loss"], plain["loss"], rtol=1e-5)
 
 
+def test_stages_the_blocks_do_not_divide_evenly_train_one_devices_losses(tmp_path):
+    """3 blocks on 2 stages (2 + 1): one device's losses; the report puts each block on its stage."""
+    config = gpt.GPTConfig(**{**SMALL, "num_layers": 3})
+    plain = make(tmp_path / "plain", device_mesh(), config=config, steps=2)
+    piped = make(tmp_path / "piped", "stage:2,data:2,model:2", 2, "1f1b", config=config, steps=2)
+    assert_same_losses(piped.train()["losses"], np.array(plain.train()["losses"]))
+    rows = [line.split() for line in piped.trainer.layout_report().splitlines() if line.startswith("gpt/block_")]
+    held = {row[0].split("/")[1]: int(row[-1]) for row in rows}
+    assert held == {"block_0": 0, "block_1": 0, "block_2": 1}
+    assert stages.stage_sizes(126, 16) == [7] + [8] * 14 + [7]  # Llama 3 405B as Meta staged it
+    assert stages.stage_sizes(5, 4) == [1, 2, 1, 1] and stages.stage_sizes(8, 4) == [2] * 4
+
+
 def test_moe_pipelines_with_its_aux_loss(tmp_path):
     config = moe.MoEConfig(vocab_size=256, seq_len=32, num_layers=2, embed_dim=64, num_heads=8, mlp_dim=128,
                            num_experts=4, expert_mlp_dim=64, moe_every=2, group_size=16)  # stage 1's block is the MoE
@@ -117,13 +130,13 @@ def test_bert_pipelines_with_both_pretraining_losses(tmp_path):
                                plain.trainer.evaluate(batches, 16)["masked_lm_accuracy"])
 
 
-def test_a_layer_count_the_stages_do_not_divide_and_a_task_that_does_not_pipeline(tmp_path):
+def test_fewer_blocks_than_stages_and_a_task_that_does_not_pipeline(tmp_path):
     with pytest.raises(UserError, match=r"sharding.preset='2d' inside pipeline stages .* is not supported"):
         make(tmp_path / "c", "stage:2,data:4", preset="2d")
     with pytest.raises(UserError, match=r"an update sharded over 'data' inside pipeline stages"):
         make(tmp_path / "d", "stage:2,data:4", preset="weight_update")
-    with pytest.raises(UserError, match=r"3 blocks do not divide into 2 equal stages"):
-        make(tmp_path / "a", "stage:2,data:4", config=gpt.GPTConfig(**{**SMALL, "num_layers": 3}))
+    with pytest.raises(UserError, match=r"--mesh: 3 blocks cannot fill 4 stages: use at most 3 stages"):
+        make(tmp_path / "a", "stage:4,data:2", config=gpt.GPTConfig(**{**SMALL, "num_layers": 3}))
     from tfpod.models import resnet
 
     with pytest.raises(UserError, match=r"model 'resnet' does not run in pipeline stages.*gpt"):

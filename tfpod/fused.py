@@ -333,11 +333,18 @@ def depthwise_conv2d(x: tf.Tensor, kernel: tf.Tensor, strides=(1, 1), padding: s
             flipped = tf.reshape(dilate(kernel[::-1, ::-1], dh, dw), [eh + 1, ew + 1, c * m, 1])
             dx = tf.nn.depthwise_conv2d(full, flipped, [1, 1, 1, 1], "VALID")  # [batch, np_h, np_w, c * m]
             dx = tf.reduce_sum(tf.reshape(dx, [-1, np_h, np_w, c, m]), -1)[:, pb_h: pb_h + n_h, pb_w: pb_w + n_w]
-            # Filter: tap (i, j) sees the padded input at rows i*dh + k*sh, columns j*dw + l*sw.
-            padded = tf.pad(x, [[0, 0], [pb_h, np_h - n_h - pb_h], [pb_w, np_w - n_w - pb_w], [0, 0]])
+            # Filter: tap (i, j) sees the padded input at rows i*dh + k*sh, columns j*dw + l*sw:
+            # with the padded input cut into stride phases ([b, rows / sh, sh, cols / sw, sw, c]),
+            # each tap's view is one contiguous slice of one phase, multiplied by the output
+            # gradient and summed over batch and positions. (Strided slices measured 9x slower
+            # at stride 2, and an einsum per tap 7-15x slower: it transposed both operands.)
+            rows = -(-max(np_h, (kh - 1) * dh + (oh - 1) * sh + 1) // sh) * sh
+            cols = -(-max(np_w, (kw - 1) * dw + (ow - 1) * sw + 1) // sw) * sw
+            padded = tf.pad(x, [[0, 0], [pb_h, rows - n_h - pb_h], [pb_w, cols - n_w - pb_w], [0, 0]])
+            phases = tf.reshape(padded, [-1, rows // sh, sh, cols // sw, sw, c, 1])
             dy5 = tf.reshape(dy, [-1, oh, ow, c, m])
-            taps = [tf.einsum("bhwc,bhwcm->cm", padded[:, i * dh: i * dh + (oh - 1) * sh + 1: sh,
-                                                          j * dw: j * dw + (ow - 1) * sw + 1: sw], dy5)
+            taps = [tf.reduce_sum(phases[:, (i * dh) // sh: (i * dh) // sh + oh, (i * dh) % sh,
+                                         (j * dw) // sw: (j * dw) // sw + ow, (j * dw) % sw] * dy5, axis=[0, 1, 2])
                     for i in range(kh) for j in range(kw)]
             return dx, tf.reshape(tf.stack(taps), [kh, kw, c, m])
 

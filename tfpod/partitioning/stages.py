@@ -1,7 +1,7 @@
 """Pipeline stages: the `stage` mesh axis as disjoint sub-meshes, and moving tensors between them.
 
 `--mesh=stage:2,data:2,model:2` splits the devices into 2 stage sub-meshes, each a
-`data:2,model:2` mesh: a model's blocks divide into contiguous, equal stages (the
+`data:2,model:2` mesh: a model's blocks divide into contiguous stages (`stage_sizes`; the
 embeddings with the first, the output layer and loss with the last), each stage's
 weights and optimizer state live only on its sub-mesh, and activations cross between
 stages with `dtensor.copy_to_mesh` inside the compiled step (tfpod.pipeline runs the
@@ -79,12 +79,22 @@ def stage_meshes(axes: Sequence[tuple[str, int]], num_stages: int, device_type: 
             for s in range(num_stages)]
 
 
-def blocks_per_stage(num_blocks: int, num_stages: int, what: str = "blocks") -> int:
-    """Blocks each stage holds; a count the stages do not divide is one UserError."""
-    if num_blocks % num_stages:
-        raise UserError(f"--mesh: {num_blocks} {what} do not divide into {num_stages} equal stages: use a stage count "
-                        f"that divides {num_blocks} (or change the layer count)")
-    return num_blocks // num_stages
+def stage_sizes(num_blocks: int, num_stages: int, what: str = "blocks") -> list[int]:
+    """How many of the blocks each stage holds: equal runs, or where the stages do not divide
+    them, one more on the middle stages first (the first stage also holds the embeddings,
+    the last the output layer and loss), then on the first: Llama 3 405B's 126 layers on 16
+    stages are 7, 8 x 14, 7, as Meta laid them out.
+
+    Raises:
+      UserError: fewer blocks than stages.
+    """
+    if num_blocks < num_stages:
+        raise UserError(f"--mesh: {num_blocks} {what} cannot fill {num_stages} stages: use at most {num_blocks} "
+                        "stages (or more layers)")
+    base, extra = divmod(num_blocks, num_stages)
+    order = list(range(1, num_stages - 1)) + [0, num_stages - 1]  # who takes one more
+    more = set(order[:extra])
+    return [base + (s in more) for s in range(num_stages)]
 
 
 def same_mesh(a: dtensor.Mesh, b: dtensor.Mesh) -> bool:

@@ -30,13 +30,13 @@ from tfpod.task import LossTerms, StagedModel
 
 
 def stage_blocks(staged: StagedModel, num_stages: int) -> list[list]:
-    """Each stage's blocks: contiguous, equal runs.
+    """Each stage's blocks: contiguous runs of `stages.stage_sizes`.
 
     Raises:
-      UserError: the blocks do not divide into the stages.
+      UserError: fewer blocks than stages.
     """
-    per = stages.blocks_per_stage(len(staged.blocks), num_stages)
-    return [list(staged.blocks[s * per:(s + 1) * per]) for s in range(num_stages)]
+    ends = np.cumsum([0] + stages.stage_sizes(len(staged.blocks), num_stages))
+    return [list(staged.blocks[ends[s]:ends[s + 1]]) for s in range(num_stages)]
 
 
 def variable_stages(staged: StagedModel, num_stages: int) -> dict[int, int]:
