@@ -290,7 +290,7 @@ def tokenize(
     _check_positive(batch_size=batch_size)
 
     def tokenize_batch(docs: tf.Tensor) -> tf.RaggedTensor:
-        return frame(tf.cast(tokenizer.tokenize(docs), tf.int32), eos_id, bos_id)  # [B, (tokens + 1)]
+        return frame(tf.cast(tokenizer.tokenize(docs), tf.int32), eos_id, bos_id)  # [B, ([bos] tokens [eos])]
 
     ds = ds.batch(batch_size).map(tokenize_batch, num_parallel_calls=num_parallel_calls, deterministic=True)
     # Unbatched rows of a ragged batch are plain tensors with a RaggedTensorSpec of ragged_rank 0;

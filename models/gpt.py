@@ -166,6 +166,15 @@ class GPT(tf_keras.Model):
         x = self.embedding_dropout(x, training=training)
         return shard(x, ACTIVATION_AXES)
 
+    def decode(self, ids: tf.Tensor, positions: tf.Tensor, caches: list) -> tf.Tensor:
+        """Logits [batch, n, vocab] of ids [batch, n] at `positions`, each block reading and
+        writing its key/value cache (models/decoding.py)."""
+        x = self.embed(ids)
+        x = x + tf.gather(tf.cast(compat.position_embeddings(self.position_embedding), x.dtype), positions)
+        for block, cache in zip(self.blocks, caches):
+            x = block([x, cache], training=False)
+        return self.output_logits(self.final_hidden(x))
+
     def final_hidden(self, x: tf.Tensor) -> tf.Tensor:
         """The final layer norm of the last block's output, whole sequences for the output layer."""
         return shard(self.final_norm(x), ("batch", "length", "embed"))
@@ -276,6 +285,8 @@ class CausalSelfAttention(tf_keras.layers.Layer):
     def call(self, x, mask, training=None):
         to_heads = lambda t: tf.transpose(t, [0, 2, 1, 3])  # [batch, length, heads, kv] -> [batch, heads, length, kv]
         q, k, v = to_heads(self.query(x)), to_heads(self.key(x)), to_heads(self.value(x))
+        if hasattr(mask, "attend"):  # generation: a decoding.LayerCache in place of the mask
+            return self.attention_output(tf.transpose(mask.attend(q, k, v), [0, 2, 1, 3]))
         bias = (1.0 - tf.cast(tf.expand_dims(mask, 1), q.dtype)) * tf.cast(-1e9, q.dtype)  # [batch, 1, length, length]
         if self.dropout.rate and training is not None and training is not False:  # dropout on the probabilities
             scores = tf.matmul(q * tf.cast(self.key_dim ** -0.5, q.dtype), k, transpose_b=True) + bias

@@ -197,9 +197,11 @@ class Attention(tf_keras.layers.Layer):
         q = shard(rotate(self.query(x), cos, sin), heads)
         k = rotate(shard(self.key(x), ("batch", "length", "kv_heads", "kv")), cos, sin)
         v = shard(self.value(x), ("batch", "length", "kv_heads", "kv"))
+        to_heads = lambda t: tf.transpose(t, [0, 2, 1, 3])  # [batch, heads, length, d]
+        if hasattr(mask, "attend"):  # generation: a decoding.LayerCache (of the key/value heads) for the mask
+            return self.attention_output(tf.transpose(mask.attend(to_heads(q), to_heads(k), to_heads(v)), [0, 2, 1, 3]))
         if c.num_kv_heads != c.num_heads:  # each key/value head serves num_heads / num_kv_heads query heads
             k, v = (shard(tf.repeat(t, c.num_heads // c.num_kv_heads, axis=2), heads) for t in (k, v))
-        to_heads = lambda t: tf.transpose(t, [0, 2, 1, 3])  # [batch, heads, length, d]
         q, k, v = to_heads(q), to_heads(k), to_heads(v)
         bias = (1.0 - tf.cast(tf.expand_dims(mask, 1), q.dtype)) * tf.cast(-1e9, q.dtype)
         if self.dropout.rate and training is not None and training is not False:
@@ -304,6 +306,15 @@ class Llama(tf_keras.Model):
             x = shard(self.run_block(block, x, context, training), ACTIVATION_AXES)
         x = self.final_hidden(x)
         return x if return_hidden else self.output_logits(x)
+
+    def decode(self, ids: tf.Tensor, positions: tf.Tensor, caches: list) -> tf.Tensor:
+        """Logits [batch, n, vocab] of ids [batch, n] at `positions`, each block reading and
+        writing its key/value cache (models/decoding.py)."""
+        x = gpt.choose_lookup(self.token_embedding)(ids)
+        cos, sin = (tf.cast(t, self.compute_dtype) for t in self.angles({"inputs": ids, "positions": positions}))
+        for block, cache in zip(self.blocks, caches):
+            x = block([x, cache, cos, sin], training=False)
+        return self.output_logits(self.final_hidden(x))
 
     def final_hidden(self, x: tf.Tensor) -> tf.Tensor:
         return shard(tf.cast(self.final_norm(x), self.compute_dtype), ("batch", "length", "embed"))

@@ -9,6 +9,12 @@ from __future__ import annotations
 import tensorflow as tf
 
 from tfpod.input import lm_data
+from tfpod.models import decoding
+
+# The sampling signatures' inputs after the prompt (models/decoding.choose).
+SAMPLING = (tf.TensorSpec([], tf.int32, name="max_new_tokens"), tf.TensorSpec([], tf.float32, name="temperature"),
+            tf.TensorSpec([], tf.int32, name="top_k"), tf.TensorSpec([], tf.float32, name="top_p"),
+            tf.TensorSpec([], tf.int32, name="seed"))
 
 
 def id_checks(inputs: dict, limits: dict, seq_len: int) -> list:
@@ -53,9 +59,16 @@ def serving(model, config, data_config, whole_sequences: bool = False) -> tuple[
         logits float32 [batch, vocab]  the next token's logits after each prompt
         next_token_id int32 [batch], next_token string [batch]  its argmax and piece
       generate(text string [batch], max_new_tokens int32 []) ->
-        ids int32 [batch, max_new_tokens]  greedy continuation (the model run on the
-          last seq_len tokens each step)
+        ids int32 [batch, max_new_tokens]  greedy continuation: with a key/value cache
+          where the model decodes (gpt, llama: models/decoding.py; docs/generation.md),
+          else the model run on each row's last seq_len tokens every step (MoE)
         text string [batch]  the continuation decoded, up to its first EOS
+        num_tokens int32 [batch], log_probs float32 [batch, max_new_tokens] (cached models)
+      sample(text, max_new_tokens, temperature, top_k, top_p, seed) -> as generate
+        (cached models)
+      generate_ids(input_ids [batch, width], lengths [batch], max_new_tokens, temperature,
+        top_k, top_p, seed) -> ids, num_tokens, log_probs (cached models, also without
+        a vocabulary)
       ids(input_ids int32 [batch, length]) ->
         logits float32 [batch, length, vocab]  each position's next-token logits, for
           clients that tokenize themselves; length is at most seq_len, and (the model
@@ -87,14 +100,46 @@ def serving(model, config, data_config, whole_sequences: bool = False) -> tuple[
     module = tf.Module()
     module.model = model
     ids = ids_signature.get_concrete_function()
+    cached = hasattr(model, "decode") and not whole_sequences  # a key/value cache (models/decoding.py)
+    eos = data_config.eos  # the run's end-of-document id: generation stops there
+
+    def cached_generate(right_padded, lengths, max_new_tokens, temperature=0.0, top_k=0, top_p=1.0, seed=0):
+        """decoding.generate on prompts given right-padded [batch, P] with their lengths."""
+        prompt = tf.shape(right_padded)[1]
+        checks = [
+            tf.debugging.Assert(max_new_tokens >= 0, [tf.strings.format(
+                "max_new_tokens is {}: send a number >= 0", [max_new_tokens])]),
+            tf.debugging.Assert(tf.reduce_min(lengths) >= 1, [
+                "a prompt has no tokens: send at least one token (or text) per row"]),
+            tf.debugging.Assert(prompt + max_new_tokens <= seq_len, [tf.strings.format(
+                f"a prompt of {{}} tokens plus max_new_tokens={{}} is more than the model context, seq_len={seq_len}: "
+                "send a shorter prompt or fewer new tokens", [tf.reduce_max(lengths), max_new_tokens])])]
+        with tf.control_dependencies(checks):
+            # left padding: row i's tokens end at slot P - 1 (slot j reads j - (P - length))
+            left = tf.gather(right_padded, (tf.range(prompt)[None, :] + lengths[:, None]) % prompt, batch_dims=1)
+            return decoding.generate(model, left, lengths, max_new_tokens, eos, temperature, top_k, top_p, seed,
+                                     kv_heads=getattr(config, "num_kv_heads", None))
+
+    @tf.function(input_signature=[tf.TensorSpec([None, None], tf.int32, name="input_ids"),
+                                  tf.TensorSpec([None], tf.int32, name="lengths"), *SAMPLING])
+    def generate_ids(input_ids, lengths, max_new_tokens, temperature, top_k, top_p, seed):
+        checks = id_checks({"input_ids": input_ids}, {"input_ids": (config.vocab_size, "vocab_size of the model")},
+                           seq_len)
+        checks.append(tf.debugging.Assert(
+            tf.reduce_all((lengths >= 1) & (lengths <= tf.shape(input_ids)[1])) & tf.equal(
+                tf.size(lengths), tf.shape(input_ids)[0]),
+            ["lengths must give each row of input_ids its prompt length, 1 to the row's width: send one per row"]))
+        with tf.control_dependencies(checks):
+            return cached_generate(tf.identity(input_ids), lengths, max_new_tokens, temperature, top_k, top_p, seed)
+
     if data_config.format == "ids":  # pre-tokenized data: no vocabulary to tokenize with
-        return module, {"serving_default": ids, "ids": ids}
+        extra = {"generate_ids": generate_ids.get_concrete_function()} if cached else {}
+        return module, {"serving_default": ids, "ids": ids, **extra}
 
     from tfpod.input import text as text_lib
 
     tokenizer = text_lib.load_tokenizer(lm_data.resolve(data_config).vocab_path)
     module.tokenizer = tokenizer
-    eos = data_config.eos  # the run's end-of-document id: generation stops there
     start = data_config.prompt_start  # what its documents start with (BOS, or after an EOS)
 
     def prompts(texts):
@@ -109,33 +154,58 @@ def serving(model, config, data_config, whole_sequences: bool = False) -> tuple[
         next_id = tf.argmax(last, axis=-1, output_type=tf.int32)
         return {"logits": last, "next_token_id": next_id, "next_token": tokenizer.id_to_string(next_id)}
 
+    def text_out(result):
+        """The continuation decoded, up to (not including) a row's first EOS."""
+        ids = result["ids"]
+        before_eos = tf.reduce_sum(tf.cast(tf.equal(tf.cumsum(tf.cast(tf.equal(ids, eos), tf.int32), axis=1), 0),
+                                           tf.int32), axis=1)
+        return {**result, "text": tokenizer.detokenize(tf.RaggedTensor.from_tensor(ids, lengths=before_eos))}
+
+    if cached:
+        @tf.function(input_signature=[tf.TensorSpec([None], tf.string, name="text"),
+                                      tf.TensorSpec([], tf.int32, name="max_new_tokens")])
+        def generate(texts, max_new_tokens):
+            ids = text_lib.frame(tf.cast(tokenizer.tokenize(texts), tf.int32), None, start)
+            return text_out(cached_generate(ids.to_tensor(0), tf.cast(ids.row_lengths(), tf.int32), max_new_tokens))
+
+        @tf.function(input_signature=[tf.TensorSpec([None], tf.string, name="text"), *SAMPLING])
+        def sample(texts, max_new_tokens, temperature, top_k, top_p, seed):
+            ids = text_lib.frame(tf.cast(tokenizer.tokenize(texts), tf.int32), None, start)
+            return text_out(cached_generate(ids.to_tensor(0), tf.cast(ids.row_lengths(), tf.int32), max_new_tokens,
+                                            temperature, top_k, top_p, seed))
+
+        return module, {"serving_default": serving_default.get_concrete_function(),
+                        "generate": generate.get_concrete_function(), "sample": sample.get_concrete_function(),
+                        "generate_ids": generate_ids.get_concrete_function(), "ids": ids}
+
     @tf.function(input_signature=[tf.TensorSpec([None], tf.string, name="text"),
                                   tf.TensorSpec([], tf.int32, name="max_new_tokens")])
     def generate(texts, max_new_tokens):
-        ids = prompts(texts)
-        rows = tf.shape(texts)[0]
-        lengths = tf.cast(ids.row_lengths(), tf.int32)  # [batch]
-        buffer = tf.pad(ids.to_tensor(0), [[0, 0], [0, max_new_tokens]])  # [batch, total]
-        total = tf.shape(buffer)[1]
-        width = tf.minimum(seq_len, total)
-
-        def step(i, buffer, lengths, out):
-            start = tf.maximum(lengths - seq_len, 0)  # [batch]: the last seq_len tokens
-            index = tf.minimum(start[:, None] + tf.range(width)[None, :], total - 1)
-            logits = logits_of(tf.gather(buffer, index, batch_dims=1))
-            last = tf.gather(logits, lengths - 1 - start, batch_dims=1)  # [batch, vocab]
-            new = tf.argmax(last, axis=-1, output_type=tf.int32)
-            buffer = tf.tensor_scatter_nd_update(buffer, tf.stack([tf.range(rows), lengths], axis=1), new)
-            return i + 1, buffer, lengths + 1, out.write(i, new)
-
-        out = tf.TensorArray(tf.int32, size=max_new_tokens, element_shape=[None])
-        _, _, _, out = tf.while_loop(lambda i, *_: i < max_new_tokens, step,
-                                     (tf.constant(0), buffer, lengths, out))
-        new_ids = tf.reshape(tf.transpose(out.stack()), [rows, max_new_tokens])  # [batch, max_new_tokens]
-        before_eos = tf.reduce_sum(tf.cast(tf.equal(tf.cumsum(tf.cast(tf.equal(new_ids, eos), tf.int32), axis=1), 0),
-                                           tf.int32), axis=1)
-        decoded = tokenizer.detokenize(tf.RaggedTensor.from_tensor(new_ids, lengths=before_eos))
-        return {"ids": new_ids, "text": decoded}
+        return text_out({"ids": recomputed_generate(logits_of, seq_len, prompts(texts), max_new_tokens)})
 
     return module, {"serving_default": serving_default.get_concrete_function(),
                     "generate": generate.get_concrete_function(), "ids": ids}
+
+
+def recomputed_generate(logits_of, seq_len: int, ids: tf.RaggedTensor, max_new_tokens: tf.Tensor) -> tf.Tensor:
+    """Greedy new tokens [batch, max_new_tokens] after each ragged prompt, the model run on
+    each row's last seq_len tokens at every step (no cache: MoE's path, and the reference
+    the cached path is tested against)."""
+    rows = ids.nrows(out_type=tf.int32)
+    lengths = tf.cast(ids.row_lengths(), tf.int32)  # [batch]
+    buffer = tf.pad(ids.to_tensor(0), [[0, 0], [0, max_new_tokens]])  # [batch, total]
+    total = tf.shape(buffer)[1]
+    width = tf.minimum(seq_len, total)
+
+    def step(i, buffer, lengths, out):
+        start = tf.maximum(lengths - seq_len, 0)  # [batch]: the last seq_len tokens
+        index = tf.minimum(start[:, None] + tf.range(width)[None, :], total - 1)
+        logits = logits_of(tf.gather(buffer, index, batch_dims=1))
+        last = tf.gather(logits, lengths - 1 - start, batch_dims=1)  # [batch, vocab]
+        new = tf.argmax(last, axis=-1, output_type=tf.int32)
+        buffer = tf.tensor_scatter_nd_update(buffer, tf.stack([tf.range(rows), lengths], axis=1), new)
+        return i + 1, buffer, lengths + 1, out.write(i, new)
+
+    out = tf.TensorArray(tf.int32, size=max_new_tokens, element_shape=[None])
+    _, _, _, out = tf.while_loop(lambda i, *_: i < max_new_tokens, step, (tf.constant(0), buffer, lengths, out))
+    return tf.reshape(tf.transpose(out.stack()), [rows, max_new_tokens])

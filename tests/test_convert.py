@@ -326,7 +326,7 @@ def test_mistral_and_llama_folders_import_with_transformers_logits_and_export_ba
     c, ours = single_device(tmp_path / "mistral_run")
     assert c.data.vocab_path == str(tmp_path / "mistral_run" / "tokenizer.model") and c.data.eos == 2
     _, signatures = c.task.serving(ours, c.model, c.data)
-    assert {"serving_default", "generate", "ids"} == set(signatures)
+    assert {"serving_default", "generate", "sample", "generate_ids", "ids"} == set(signatures)
     # A served prompt starts with the model's BOS (1), as its tokenizer does in transformers.
     assert c.data.bos_id == 1
     served = signatures["serving_default"](tf.constant(["bak cem"]))["logits"].numpy()

@@ -1,0 +1,162 @@
+"""Generation with a key/value cache: the prompt runs once, then one position per row a step.
+
+    ids [batch, P] left-padded (each row's `lengths` real tokens end at slot P - 1)
+      -> prefill: the model on all P slots, each layer's keys and values written to its
+         cache [batch, kv heads, P + max_new_tokens, head dim] (slots 0 .. P - 1)
+      -> tf.while_loop over new tokens: choose one per row from the last logits (greedy,
+         or sampled with temperature / top-k / top-p and a seed), then the model on that
+         one slot (P + t), reading every cached slot a row may see and writing its own
+
+A row's positions count its own tokens (slot - its left padding), so learned and rotary
+positions are those of the row run alone; padding slots are masked out of every query.
+Attention reads the whole cache each step (its length is fixed for the loop), so a new
+token costs the same at every step of a run.
+
+A model decodes through `decode(ids, positions, caches)` (gpt.GPT, llama.Llama): its
+blocks' attention layers, handed a `LayerCache` where they take their mask, call
+`LayerCache.attend(q, k, v)` with this call's queries, keys and values
+[batch, heads, n, head dim] (keys and values rotated as the model does: Llama's rotary)
+and use what it returns as their context.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import tensorflow as tf
+
+
+@dataclasses.dataclass
+class Slots:
+    """What every layer's cache shares in one model call: where this call's n slots start
+    (`start`, a scalar) and which slots hold a real token (`valid` [batch, slots], 1.0)."""
+
+    start: tf.Tensor
+    valid: tf.Tensor
+
+
+@dataclasses.dataclass
+class LayerCache:
+    """One layer's keys and values [batch, kv heads, slots, head dim] (updated by `attend`)."""
+
+    k: tf.Tensor
+    v: tf.Tensor
+    slots: Slots
+
+    def attend(self, q: tf.Tensor, k: tf.Tensor, v: tf.Tensor) -> tf.Tensor:
+        """Writes k, v [batch, kv heads, n, d] at slots start .. start + n - 1 and returns
+        the context [batch, heads, n, d] of q [batch, heads, n, d] over every slot each query
+        may see (its own and earlier ones that hold a token). Query heads share key/value
+        heads in groups (grouped-query attention) when there are fewer of the latter."""
+        start = self.slots.start
+        n = tf.shape(q)[2]
+        self.k, self.v = (_write(cache, new, start) for cache, new in ((self.k, k), (self.v, v)))
+        groups = q.shape[1] // self.k.shape[1]
+        keys, values = self.k, self.v
+        if groups > 1:
+            keys, values = (tf.repeat(t, groups, axis=1) for t in (keys, values))
+        slots = tf.shape(keys)[2]
+        seen = tf.range(slots)[None, :] <= (start + tf.range(n))[:, None]  # [n, slots]: no later slot
+        visible = tf.logical_and(seen[None], self.slots.valid[:, None, :] > 0)  # [batch, n, slots]
+        scale = tf.cast(q.shape[-1] ** -0.5, q.dtype)
+        scores = tf.cast(tf.matmul(q * scale, keys, transpose_b=True), tf.float32)  # [batch, heads, n, slots]
+        scores = tf.where(visible[:, None], scores, -1e9)
+        probs = tf.cast(tf.nn.softmax(scores, axis=-1), values.dtype)
+        return tf.matmul(probs, values)  # [batch, heads, n, d]
+
+
+def _write(cache: tf.Tensor, new: tf.Tensor, start: tf.Tensor) -> tf.Tensor:
+    """cache [b, h, slots, d] with new [b, h, n, d] at slots start .. start + n - 1."""
+    n = tf.shape(new)[2]
+    every = 0b1011  # dimensions 0, 1 and 3 whole
+    return tf.raw_ops.TensorStridedSliceUpdate(
+        input=cache, begin=tf.stack([0, 0, start, 0]), end=tf.stack([0, 0, start + n, 0]),
+        strides=tf.constant([1, 1, 1, 1]), value=tf.cast(new, cache.dtype), begin_mask=every, end_mask=every)
+
+
+def choose(logits: tf.Tensor, temperature: tf.Tensor, top_k: tf.Tensor, top_p: tf.Tensor, seed: tf.Tensor,
+           step: tf.Tensor) -> tf.Tensor:
+    """One token per row [batch] int32 from float32 logits [batch, vocab]: the argmax where
+    temperature <= 0, else a draw from softmax(logits / temperature) restricted to the
+    top_k most likely tokens (0: all) and to the smallest set whose probability reaches
+    top_p (1.0: all), with the stateless seed (seed, step): the same seed, the same draw."""
+    greedy = tf.argmax(logits, axis=-1, output_type=tf.int32)
+    vocab = tf.shape(logits)[-1]
+    scaled = logits / tf.maximum(temperature, 1e-6)
+    ordered = tf.sort(scaled, axis=-1, direction="DESCENDING")  # [batch, vocab]
+    k = tf.where(top_k > 0, tf.minimum(top_k, vocab), vocab)
+    kth = tf.gather(ordered, k - 1, axis=-1)[:, None]  # [batch, 1]: the k-th largest
+    probs = tf.nn.softmax(ordered, axis=-1)
+    before = tf.cumsum(probs, axis=-1, exclusive=True)  # probability of the tokens ranked above
+    kept = tf.where(before < top_p, ordered, tf.float32.max)  # the nucleus: ranks before reaching top_p
+    floor = tf.reduce_min(kept, axis=-1, keepdims=True)  # the least likely token kept
+    threshold = tf.maximum(kth, floor)
+    filtered = tf.where(scaled >= threshold, scaled, -1e9)
+    drawn = tf.random.stateless_categorical(filtered, 1, seed=tf.stack([seed, step]), dtype=tf.int32)[:, 0]
+    return tf.where(temperature > 0, drawn, greedy)
+
+
+def generate(model, ids: tf.Tensor, lengths: tf.Tensor, max_new_tokens: tf.Tensor, eos_id: int,
+             temperature=0.0, top_k=0, top_p=1.0, seed=0, kv_heads: int | None = None) -> dict:
+    """New tokens after each left-padded prompt, with a key/value cache.
+
+    Args:
+      model: a model with `decode(ids, positions, caches)` and `config` (num_layers,
+        num_heads, head size embed_dim / num_heads).
+      ids: int32 [batch, P], each row's prompt right-aligned (left padding: any id).
+      lengths: int32 [batch], each row's prompt length (1..P).
+      max_new_tokens: int32 scalar.
+      eos_id: a row stops after generating it (later tokens are eos_id, not counted).
+      temperature, top_k, top_p, seed: scalars (see `choose`).
+      kv_heads: key/value heads (grouped-query attention); None: the query heads.
+
+    Returns:
+      {"ids": int32 [batch, max_new_tokens], "num_tokens": int32 [batch] (up to and
+      including the first EOS), "log_probs": float32 [batch, max_new_tokens], each
+      token's log-probability under the model (log-softmax of its logits)}.
+    """
+    c = model.config
+    batch, prompt = tf.shape(ids)[0], tf.shape(ids)[1]
+    slots = prompt + max_new_tokens
+    pad = prompt - lengths  # [batch]
+    heads, d = kv_heads or c.num_heads, c.embed_dim // c.num_heads
+    dtype = model.compute_dtype
+    valid = tf.cast(tf.range(slots)[None, :] >= pad[:, None], tf.float32) * tf.cast(
+        tf.range(slots)[None, :] < prompt, tf.float32)  # [batch, slots]: the prompt's tokens
+    empty = tf.zeros(tf.stack([batch, heads, slots, d]), dtype)
+
+    def run(tokens, start, valid, kv):
+        shared = Slots(start, valid)
+        caches = [LayerCache(k, v, shared) for k, v in kv]
+        n = tf.shape(tokens)[1]
+        positions = tf.maximum(start + tf.range(n)[None, :] - pad[:, None], 0)  # [batch, n]: each row's own
+        logits = model.decode(tokens, positions, caches)  # [batch, n, vocab]
+        return logits[:, -1], [(cache.k, cache.v) for cache in caches]
+
+    last, kv = run(ids, tf.constant(0), valid, [(empty, empty) for _ in range(c.num_layers)])
+    temperature, top_p = tf.cast(temperature, tf.float32), tf.cast(top_p, tf.float32)
+    top_k, seed = tf.cast(top_k, tf.int32), tf.cast(seed, tf.int32)
+
+    def step(t, last, valid, kv, done, count, out, log_probs):
+        token = choose(last, temperature, top_k, top_p, seed, t)
+        token = tf.where(done, eos_id, token)
+        log_prob = tf.gather(tf.nn.log_softmax(last, axis=-1), token, batch_dims=1)
+        out, log_probs = out.write(t, token), log_probs.write(t, tf.where(done, 0.0, log_prob))
+        count += tf.cast(~done, tf.int32)
+        done = done | tf.equal(token, eos_id)
+        slot = prompt + t
+        valid = tf.maximum(valid, tf.cast(tf.equal(tf.range(slots), slot), tf.float32)[None, :])
+        last, kv = run(token[:, None], slot, valid, kv)
+        return t + 1, last, valid, kv, done, count, out, log_probs
+
+    loop = (tf.constant(0), last, valid, kv, tf.zeros([batch], tf.bool), tf.zeros([batch], tf.int32),
+            tf.TensorArray(tf.int32, size=max_new_tokens, element_shape=[None]),
+            tf.TensorArray(tf.float32, size=max_new_tokens, element_shape=[None]))
+    _, _, _, _, _, count, out, log_probs = tf.while_loop(
+        lambda t, *_: t < max_new_tokens, step, loop,
+        shape_invariants=(tf.TensorShape([]), last.shape, tf.TensorShape([None, None]),
+                          [(tf.TensorShape([None, heads, None, d]),) * 2 for _ in kv],
+                          tf.TensorShape([None]), tf.TensorShape([None]), tf.TensorShape(None), tf.TensorShape(None)))
+    ids_out = tf.reshape(tf.transpose(out.stack()), tf.stack([batch, max_new_tokens]))
+    log_out = tf.reshape(tf.transpose(log_probs.stack()), tf.stack([batch, max_new_tokens]))
+    return {"ids": ids_out, "num_tokens": count, "log_probs": log_out}
