@@ -138,3 +138,47 @@ def test_the_saved_model_generates_and_refuses_what_it_cannot_serve_in_one_line(
         served["generate_ids"](input_ids=tf.constant([[1, 4000]]), lengths=tf.constant([2]), **ids_options)
     again = served["generate"](text=texts, max_new_tokens=tf.constant(8))
     np.testing.assert_array_equal(again["ids"], greedy["ids"])
+
+
+@pytest.mark.parametrize("family", ["gpt2", "mistral"])
+def test_greedy_tokens_equal_transformers_generate_for_an_imported_model(family, tmp_path):
+    """A random TFGPT2LMHeadModel / TFMistralForCausalLM written as a Hub folder and imported:
+    the export's `generate_ids` gives transformers' own greedy `generate` (left-padded with its
+    attention mask) token for token, 32 new tokens after prompts of 3, 9 and 1 tokens."""
+    transformers = pytest.importorskip("transformers")
+    from test_convert import write_hub_folder
+    from tfpod.convert import run as convert
+
+    tf.keras.utils.set_random_seed(0)
+    if family == "gpt2":
+        hf = transformers.TFGPT2LMHeadModel(transformers.GPT2Config(
+            vocab_size=96, n_positions=64, n_embd=32, n_layer=2, n_head=4, resid_pdrop=0.0, embd_pdrop=0.0,
+            attn_pdrop=0.0, initializer_range=0.3, eos_token_id=95, bos_token_id=95))
+        architecture = "GPT2LMHeadModel"
+    else:
+        hf = transformers.TFMistralForCausalLM(transformers.MistralConfig(
+            vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=64, sliding_window=None, rope_theta=10000.0,
+            initializer_range=0.3, eos_token_id=95, bos_token_id=1))
+        architecture = "MistralForCausalLM"
+    hf(tf.zeros([1, 4], tf.int32))
+    write_hub_folder(hf, tmp_path / "hub", architecture)
+    convert.import_hub(str(tmp_path / "hub"), str(tmp_path / "run"))
+    served = tf.saved_model.load(export.saved_model(str(tmp_path / "run"))["export_dir"]).signatures
+    rng = np.random.default_rng(2)
+    prompts = [rng.integers(2, 95, n) for n in (3, 9, 1)]
+    ids, lengths = right_padded(prompts)
+    ours = served["generate_ids"](input_ids=ids, lengths=lengths, max_new_tokens=tf.constant(32),
+                                  temperature=tf.constant(0.0), top_k=tf.constant(0), top_p=tf.constant(1.0),
+                                  seed=tf.constant(0))
+    width = max(map(len, prompts))
+    left = np.zeros([3, width], np.int32)
+    mask = np.zeros([3, width], np.int32)
+    for i, p in enumerate(prompts):
+        left[i, width - len(p):], mask[i, width - len(p):] = p, 1
+    theirs = hf.generate(tf.constant(left), attention_mask=tf.constant(mask), max_new_tokens=32, do_sample=False,
+                         pad_token_id=0, eos_token_id=95).numpy()[:, width:]
+    for row in range(3):
+        n = int(ours["num_tokens"][row])
+        np.testing.assert_array_equal(ours["ids"].numpy()[row, :n], theirs[row, :n])
+    assert len({tuple(r) for r in theirs.tolist()}) == 3
