@@ -78,22 +78,28 @@ def choose(logits: tf.Tensor, temperature: tf.Tensor, top_k: tf.Tensor, top_p: t
            step: tf.Tensor) -> tf.Tensor:
     """One token per row [batch] int32 from float32 logits [batch, vocab]: the argmax where
     temperature <= 0, else a draw from softmax(logits / temperature) restricted to the
-    top_k most likely tokens (0: all) and to the smallest set whose probability reaches
-    top_p (1.0: all), with the stateless seed (seed, step): the same seed, the same draw."""
-    greedy = tf.argmax(logits, axis=-1, output_type=tf.int32)
-    vocab = tf.shape(logits)[-1]
-    scaled = logits / tf.maximum(temperature, 1e-6)
-    ordered = tf.sort(scaled, axis=-1, direction="DESCENDING")  # [batch, vocab]
-    k = tf.where(top_k > 0, tf.minimum(top_k, vocab), vocab)
-    kth = tf.gather(ordered, k - 1, axis=-1)[:, None]  # [batch, 1]: the k-th largest
-    probs = tf.nn.softmax(ordered, axis=-1)
-    before = tf.cumsum(probs, axis=-1, exclusive=True)  # probability of the tokens ranked above
-    kept = tf.where(before < top_p, ordered, tf.float32.max)  # the nucleus: ranks before reaching top_p
-    floor = tf.reduce_min(kept, axis=-1, keepdims=True)  # the least likely token kept
-    threshold = tf.maximum(kth, floor)
-    filtered = tf.where(scaled >= threshold, scaled, -1e9)
-    drawn = tf.random.stateless_categorical(filtered, 1, seed=tf.stack([seed, step]), dtype=tf.int32)[:, 0]
-    return tf.where(temperature > 0, drawn, greedy)
+    top_k most likely tokens (0: all), then to the smallest set of those whose probability
+    reaches top_p (1.0: all; transformers' order), with the stateless seed (seed, step): the
+    same seed, the same draw. Each filter runs only when asked for (a sort of the
+    vocabulary per step is not free)."""
+
+    def top_k_only(x):
+        kth = tf.math.top_k(x, tf.minimum(top_k, tf.shape(x)[-1])).values[:, -1:]  # [batch, 1]
+        return tf.where(x >= kth, x, -1e9)
+
+    def nucleus(x):
+        ordered = tf.sort(x, axis=-1, direction="DESCENDING")  # [batch, vocab]
+        before = tf.cumsum(tf.nn.softmax(ordered, axis=-1), axis=-1, exclusive=True)  # of the tokens ranked above
+        floor = tf.reduce_min(tf.where(before < top_p, ordered, tf.float32.max), axis=-1, keepdims=True)
+        return tf.where(x >= floor, x, -1e9)
+
+    def sampled():
+        x = logits / temperature
+        x = tf.cond(top_k > 0, lambda: top_k_only(x), lambda: x)
+        x = tf.cond(top_p < 1.0, lambda: nucleus(x), lambda: x)
+        return tf.random.stateless_categorical(x, 1, seed=tf.stack([seed, step]), dtype=tf.int32)[:, 0]
+
+    return tf.cond(temperature > 0, sampled, lambda: tf.argmax(logits, axis=-1, output_type=tf.int32))
 
 
 def generate(model, ids: tf.Tensor, lengths: tf.Tensor, max_new_tokens: tf.Tensor, eos_id: int,
