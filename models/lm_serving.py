@@ -103,8 +103,11 @@ def serving(model, config, data_config, whole_sequences: bool = False) -> tuple[
     cached = hasattr(model, "decode") and not whole_sequences  # a key/value cache (models/decoding.py)
     eos = data_config.eos  # the run's end-of-document id: generation stops there
 
-    def cached_generate(right_padded, lengths, max_new_tokens, temperature=0.0, top_k=0, top_p=1.0, seed=0):
-        """decoding.generate on prompts given right-padded [batch, P] with their lengths."""
+    @tf.function(input_signature=[tf.TensorSpec([None, None], tf.int32), tf.TensorSpec([None], tf.int32),
+                                  *SAMPLING])
+    def cached_generate(right_padded, lengths, max_new_tokens, temperature, top_k, top_p, seed):
+        """decoding.generate on prompts given right-padded [batch, P] with their lengths (traced
+        once: every generating signature calls this one function)."""
         prompt = tf.shape(right_padded)[1]
         checks = [
             tf.debugging.Assert(max_new_tokens >= 0, [tf.strings.format(
@@ -166,7 +169,8 @@ def serving(model, config, data_config, whole_sequences: bool = False) -> tuple[
                                       tf.TensorSpec([], tf.int32, name="max_new_tokens")])
         def generate(texts, max_new_tokens):
             ids = text_lib.frame(tf.cast(tokenizer.tokenize(texts), tf.int32), None, start)
-            return text_out(cached_generate(ids.to_tensor(0), tf.cast(ids.row_lengths(), tf.int32), max_new_tokens))
+            return text_out(cached_generate(ids.to_tensor(0), tf.cast(ids.row_lengths(), tf.int32), max_new_tokens,
+                                            0.0, 0, 1.0, 0))
 
         @tf.function(input_signature=[tf.TensorSpec([None], tf.string, name="text"), *SAMPLING])
         def sample(texts, max_new_tokens, temperature, top_k, top_p, seed):
