@@ -71,9 +71,9 @@ class Index:
         return len(self.document_starts) - 1
 
 
-def documents(prefix: str) -> Iterator[np.ndarray]:
-    """Each document's tokens (int64), in order."""
-    index = Index(prefix)
+def documents(prefix: str, index: Index | None = None) -> Iterator[np.ndarray]:
+    """Each document's tokens (int64), in order (`index`: prefix's, when already read)."""
+    index = index or Index(prefix)
     tokens = np.memmap(prefix + ".bin", dtype=index.dtype, mode="r")
     size = index.dtype.itemsize
     for d in range(index.num_documents):
@@ -105,7 +105,7 @@ def convert(prefixes: Sequence[str], out_dir: str, shards: int = 1) -> dict:
     for prefix, index in indexes:
         name = os.path.basename(prefix)
         bounds = np.linspace(0, index.num_documents, shards + 1).astype(int)
-        stream = documents(prefix)
+        stream = documents(prefix, index)
         for k in range(shards):
             path = os.path.join(out_dir, f"{name}-{k:05d}-of-{shards:05d}.tfrecord")
             if os.path.exists(path):

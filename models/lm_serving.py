@@ -145,9 +145,12 @@ def serving(model, config, data_config, whole_sequences: bool = False) -> tuple[
     module.tokenizer = tokenizer
     start = data_config.prompt_start  # what its documents start with (BOS, or after an EOS)
 
+    def framed(texts):
+        """Each prompt's ids, ragged [batch, pieces], after the run's start id."""
+        return text_lib.frame(tf.cast(tokenizer.tokenize(texts), tf.int32), None, start)
+
     def prompts(texts):
-        ids = text_lib.frame(tf.cast(tokenizer.tokenize(texts), tf.int32), None, start)  # ragged [batch, pieces]
-        return ids[:, -seq_len:]
+        return framed(texts)[:, -seq_len:]
 
     @tf.function(input_signature=[tf.TensorSpec([None], tf.string, name="text")])
     def serving_default(texts):
@@ -164,19 +167,19 @@ def serving(model, config, data_config, whole_sequences: bool = False) -> tuple[
                                            tf.int32), axis=1)
         return {**result, "text": tokenizer.detokenize(tf.RaggedTensor.from_tensor(ids, lengths=before_eos))}
 
+    def sample_texts(texts, *options):
+        ids = framed(texts)
+        return text_out(cached_generate(ids.to_tensor(0), tf.cast(ids.row_lengths(), tf.int32), *options))
+
     if cached:
         @tf.function(input_signature=[tf.TensorSpec([None], tf.string, name="text"),
                                       tf.TensorSpec([], tf.int32, name="max_new_tokens")])
         def generate(texts, max_new_tokens):
-            ids = text_lib.frame(tf.cast(tokenizer.tokenize(texts), tf.int32), None, start)
-            return text_out(cached_generate(ids.to_tensor(0), tf.cast(ids.row_lengths(), tf.int32), max_new_tokens,
-                                            0.0, 0, 1.0, 0))
+            return sample_texts(texts, max_new_tokens, 0.0, 0, 1.0, 0)
 
         @tf.function(input_signature=[tf.TensorSpec([None], tf.string, name="text"), *SAMPLING])
         def sample(texts, max_new_tokens, temperature, top_k, top_p, seed):
-            ids = text_lib.frame(tf.cast(tokenizer.tokenize(texts), tf.int32), None, start)
-            return text_out(cached_generate(ids.to_tensor(0), tf.cast(ids.row_lengths(), tf.int32), max_new_tokens,
-                                            temperature, top_k, top_p, seed))
+            return sample_texts(texts, max_new_tokens, temperature, top_k, top_p, seed)
 
         return module, {"serving_default": serving_default.get_concrete_function(),
                         "generate": generate.get_concrete_function(), "sample": sample.get_concrete_function(),
