@@ -2,7 +2,7 @@
 transformers' TF `generate`, on the same GPT-2 weights (random, GPT-2 small's shape).
 
     python bench/generation.py [--batches=1,8] [--prompts=128,1024] [--new_tokens=256]
-        [--recompute_tokens=8] [--num_layers=12] [--runs=cached,recompute,transformers]
+        [--recompute_tokens=8] [--num_layers=12] [--runs=cached,sampled,recompute,transformers]
 
 A random TFGPT2LMHeadModel (n_positions 1280 so that prompt 1024 + 256 new tokens fit) is
 written as a Hub folder, imported (`tfpod.convert`) and exported (`tfpod.export`); then,
@@ -10,6 +10,8 @@ for each batch and prompt length, greedy:
 
   cached        the SavedModel's `generate_ids` (prefill, then one slot a step), loaded
                 with tf.saved_model.load; new_tokens tokens
+  sampled       the same signature sampling: temperature 0.8, top-k 40, top-p 0.95 and a
+                seed per row, as per-row options (the filters' cost over greedy)
   recompute     the recomputing path (lm_serving.recomputed_generate: the model on each
                 row's last seq_len tokens for every new token; what `generate` ran before
                 the cache), compiled; --recompute_tokens tokens (its cost per token is the
@@ -18,7 +20,7 @@ for each batch and prompt length, greedy:
   transformers  TFGPT2LMHeadModel.generate (greedy, its own cache), new_tokens tokens
 
 Each is run once to compile/warm up on a shorter request, then timed once; tokens/s counts
-new tokens of all rows. The last line printed is JSON.
+the new tokens all rows made (a row stops early at EOS). The last line printed is JSON.
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ def main() -> None:
     p.add_argument("--new_tokens", type=int, default=256)
     p.add_argument("--recompute_tokens", type=int, default=8)
     p.add_argument("--num_layers", type=int, default=12)
-    p.add_argument("--runs", default="cached,recompute,transformers")
+    p.add_argument("--runs", default="cached,sampled,recompute,transformers")
     args = p.parse_args()
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     from tfpod import runtime
@@ -92,13 +94,26 @@ def main() -> None:
             if "cached" in runs:
                 call = lambda n: generate_ids(input_ids=ids, lengths=lengths, max_new_tokens=tf.constant(n),
                                               temperature=tf.constant(0.0), top_k=tf.constant(0),
-                                              top_p=tf.constant(1.0), seed=tf.constant(0))["ids"].numpy()
+                                              top_p=tf.constant(1.0), seed=tf.constant(0))["num_tokens"].numpy()
                 call(2)
                 first = timed(lambda: call(1))  # prefill and one token
-                seconds = timed(lambda: call(args.new_tokens))
-                record.update(cached_s=round(seconds, 2), cached_prefill_s=round(first, 2),
-                              cached_tokens_per_s=round(batch * args.new_tokens / seconds, 1),
-                              cached_decode_tokens_per_s=round(batch * (args.new_tokens - 1) / (seconds - first), 1))
+                start = time.perf_counter()
+                made = int(call(args.new_tokens).sum())  # a row stops early at EOS: count what was made
+                seconds = time.perf_counter() - start
+                record.update(cached_s=round(seconds, 2), cached_prefill_s=round(first, 2), cached_tokens=made,
+                              cached_tokens_per_s=round(made / seconds, 1),
+                              cached_decode_tokens_per_s=round((made - batch) / (seconds - first), 1))
+            if "sampled" in runs:  # per-row options: temperature, top-k and top-p on every row, seeds per row
+                sample = lambda n: generate_ids(
+                    input_ids=ids, lengths=lengths, max_new_tokens=tf.constant(n),
+                    temperature=tf.fill([batch], 0.8), top_k=tf.fill([batch], 40), top_p=tf.fill([batch], 0.95),
+                    seed=tf.range(batch))["num_tokens"].numpy()
+                sample(2)
+                start = time.perf_counter()
+                made = int(sample(args.new_tokens).sum())
+                seconds = time.perf_counter() - start
+                record.update(sampled_s=round(seconds, 2), sampled_tokens=made,
+                              sampled_tokens_per_s=round(made / seconds, 1))
             if "recompute" in runs:
                 ragged = tf.RaggedTensor.from_tensor(ids)
                 recompute(ragged, tf.constant(1)).numpy()

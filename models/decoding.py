@@ -4,8 +4,10 @@
       -> prefill: the model on all P slots, each layer's keys and values written to its
          cache [batch, kv heads, P + max_new_tokens, head dim] (slots 0 .. P - 1)
       -> tf.while_loop over new tokens: choose one per row from the last logits (greedy,
-         or sampled with temperature / top-k / top-p and a seed), then the model on that
-         one slot (P + t), reading every cached slot a row may see and writing its own
+         or sampled with temperature / top-k / top-p and a seed, each row by its own
+         options), then the model on that one slot (P + t), reading every cached slot a
+         row may see and writing its own; a row stops at EOS, at its max_new_tokens or
+         when `stopped` says so (stop strings), and the loop when every row has stopped
 
 A row's positions count its own tokens (slot - its left padding), so learned and rotary
 positions are those of the row run alone; padding slots are masked out of every query.
@@ -74,36 +76,71 @@ def _write(cache: tf.Tensor, new: tf.Tensor, start: tf.Tensor) -> tf.Tensor:
         strides=tf.constant([1, 1, 1, 1]), value=tf.cast(new, cache.dtype), begin_mask=every, end_mask=every)
 
 
+def per_row(x, batch: tf.Tensor, dtype: tf.DType, name: str) -> tf.Tensor:
+    """An option [batch] from one value for every row (a scalar or [1]) or one per row."""
+    x = tf.reshape(tf.cast(x, dtype), [-1])
+    check = tf.debugging.Assert((tf.size(x) == 1) | (tf.size(x) == batch), [tf.strings.format(
+        f"{name} has {{}} values for {{}} rows: send one value for every row or one per row", [tf.size(x), batch])])
+    with tf.control_dependencies([check]):
+        return tf.broadcast_to(x, tf.stack([batch]))
+
+
+def _mix(x: tf.Tensor) -> tf.Tensor:
+    """A bijection of uint32 with full avalanche (lowbias32, C. Wellons' hash prospector)."""
+    shift, xor = tf.bitwise.right_shift, tf.bitwise.bitwise_xor
+    x = xor(x, shift(x, tf.constant(16, tf.uint32))) * tf.constant(0x7FEB352D, tf.uint32)
+    x = xor(x, shift(x, tf.constant(15, tf.uint32))) * tf.constant(0x846CA68B, tf.uint32)
+    return xor(x, shift(x, tf.constant(16, tf.uint32)))
+
+
+def uniforms(seed: tf.Tensor, step: tf.Tensor, n: tf.Tensor) -> tf.Tensor:
+    """float32 [batch, n] in (0, 1), a function of each row's seed [batch], the step and
+    the column alone (counter-based, as stateless random ops): a row's draws do not depend
+    on the other rows of its batch."""
+    xor = tf.bitwise.bitwise_xor
+    seed = tf.bitcast(tf.cast(seed, tf.int32), tf.uint32)
+    k1 = _mix(xor(seed, _mix(tf.bitcast(tf.cast(step, tf.int32), tf.uint32) + tf.constant(0x9E3779B9, tf.uint32))))
+    k2 = _mix(xor(k1, tf.constant(0x85EBCA6B, tf.uint32)))
+    bits = _mix(xor(_mix(k1[:, None] + tf.bitcast(tf.range(n), tf.uint32)[None, :]), k2[:, None]))  # [batch, n]
+    return (tf.cast(tf.bitwise.right_shift(bits, tf.constant(8, tf.uint32)), tf.float32) + 0.5) * (2.0 ** -24)
+
+
 def choose(logits: tf.Tensor, temperature: tf.Tensor, top_k: tf.Tensor, top_p: tf.Tensor, seed: tf.Tensor,
            step: tf.Tensor) -> tf.Tensor:
-    """One token per row [batch] int32 from float32 logits [batch, vocab]: the argmax where
-    temperature <= 0, else a draw from softmax(logits / temperature) restricted to the
-    top_k most likely tokens (0: all), then to the smallest set of those whose probability
-    reaches top_p (1.0: all; transformers' order), with the stateless seed (seed, step): the
-    same seed, the same draw. Each filter runs only when asked for (a sort of the
-    vocabulary per step is not free)."""
+    """One token per row [batch] int32 from float32 logits [batch, vocab], each row by its
+    own options ([batch] each): the argmax where temperature <= 0, else a draw from
+    softmax(logits / temperature) restricted to the top_k most likely tokens (0: all), then
+    to the smallest set of those whose probability reaches top_p (1.0: all; transformers'
+    order). Draws are Gumbel-max on `uniforms(seed, step)`: the same seed, the same draw,
+    whatever else is in the batch. Each filter runs only when a row asks for it (a sort of
+    the vocabulary per step is not free)."""
+    vocab = tf.shape(logits)[-1]
 
     def top_k_only(x):
-        kth = tf.math.top_k(x, tf.minimum(top_k, tf.shape(x)[-1])).values[:, -1:]  # [batch, 1]
-        return tf.where(x >= kth, x, -1e9)
+        values = tf.math.top_k(x, tf.minimum(tf.reduce_max(top_k), vocab)).values  # [batch, k max]
+        kth = tf.gather(values, tf.clip_by_value(top_k - 1, 0, tf.shape(values)[1] - 1), batch_dims=1)
+        return tf.where((top_k[:, None] <= 0) | (x >= kth[:, None]), x, -1e9)
 
     def nucleus(x):
         ordered = tf.sort(x, axis=-1, direction="DESCENDING")  # [batch, vocab]
         before = tf.cumsum(tf.nn.softmax(ordered, axis=-1), axis=-1, exclusive=True)  # of the tokens ranked above
-        floor = tf.reduce_min(tf.where(before < top_p, ordered, tf.float32.max), axis=-1, keepdims=True)
+        floor = tf.reduce_min(tf.where(before < top_p[:, None], ordered, tf.float32.max), axis=-1, keepdims=True)
         return tf.where(x >= floor, x, -1e9)
 
     def sampled():
-        x = logits / temperature
-        x = tf.cond(top_k > 0, lambda: top_k_only(x), lambda: x)
-        x = tf.cond(top_p < 1.0, lambda: nucleus(x), lambda: x)
-        return tf.random.stateless_categorical(x, 1, seed=tf.stack([seed, step]), dtype=tf.int32)[:, 0]
+        x = logits / tf.where(temperature > 0, temperature, 1.0)[:, None]
+        x = tf.cond(tf.reduce_any(top_k > 0), lambda: top_k_only(x), lambda: x)
+        x = tf.cond(tf.reduce_any(top_p < 1.0), lambda: nucleus(x), lambda: x)
+        gumbel = -tf.math.log(-tf.math.log(uniforms(seed, step, vocab)))
+        return tf.argmax(x + gumbel, axis=-1, output_type=tf.int32)
 
-    return tf.cond(temperature > 0, sampled, lambda: tf.argmax(logits, axis=-1, output_type=tf.int32))
+    greedy = tf.argmax(logits, axis=-1, output_type=tf.int32)
+    return tf.cond(tf.reduce_any(temperature > 0), lambda: tf.where(temperature > 0, sampled(), greedy),
+                   lambda: greedy)
 
 
-def generate(model, ids: tf.Tensor, lengths: tf.Tensor, max_new_tokens: tf.Tensor, eos_id: int,
-             temperature=0.0, top_k=0, top_p=1.0, seed=0, kv_heads: int | None = None) -> dict:
+def generate(model, ids: tf.Tensor, lengths: tf.Tensor, max_new_tokens, eos_id: int, temperature=0.0, top_k=0,
+             top_p=1.0, seed=0, kv_heads: int | None = None, stopped=None) -> dict:
     """New tokens after each left-padded prompt, with a key/value cache.
 
     Args:
@@ -111,19 +148,27 @@ def generate(model, ids: tf.Tensor, lengths: tf.Tensor, max_new_tokens: tf.Tenso
         num_heads, head size embed_dim / num_heads).
       ids: int32 [batch, P], each row's prompt right-aligned (left padding: any id).
       lengths: int32 [batch], each row's prompt length (1..P).
-      max_new_tokens: int32 scalar.
-      eos_id: a row stops after generating it (later tokens are eos_id, not counted).
-      temperature, top_k, top_p, seed: scalars (see `choose`).
+      max_new_tokens, temperature, top_k, top_p, seed: a value for every row or one per
+        row ([batch]; see `choose`).
+      eos_id: a row stops after generating it.
       kv_heads: key/value heads (grouped-query attention); None: the query heads.
+      stopped: optional (ids [batch, steps] so far, num_tokens [batch]) -> bool [batch],
+        rows that stop now (stop strings: lm_serving).
 
     Returns:
-      {"ids": int32 [batch, max_new_tokens], "num_tokens": int32 [batch] (up to and
-      including the first EOS), "log_probs": float32 [batch, max_new_tokens], each
-      token's log-probability under the model (log-softmax of its logits)}.
+      {"ids": int32 [batch, max of max_new_tokens] (after a row's num_tokens: eos_id),
+      "num_tokens": int32 [batch] (up to and including the token that stopped the row:
+      EOS, a stop, or its max_new_tokens), "log_probs": float32 [batch, steps], each
+      token's log-probability under the model (log-softmax of its logits; 0 after
+      num_tokens)}. The loop ends when every row has stopped.
     """
     c = model.config
     batch, prompt = tf.shape(ids)[0], tf.shape(ids)[1]
-    slots = prompt + max_new_tokens
+    limit = per_row(max_new_tokens, batch, tf.int32, "max_new_tokens")
+    temperature, top_p = (per_row(x, batch, tf.float32, n) for x, n in ((temperature, "temperature"), (top_p, "top_p")))
+    top_k, seed = (per_row(x, batch, tf.int32, n) for x, n in ((top_k, "top_k"), (seed, "seed")))
+    steps = tf.maximum(tf.reduce_max(limit), 0)
+    slots = prompt + steps
     pad = prompt - lengths  # [batch]
     heads, d = kv_heads or c.num_heads, c.embed_dim // c.num_heads
     dtype = model.compute_dtype
@@ -140,29 +185,28 @@ def generate(model, ids: tf.Tensor, lengths: tf.Tensor, max_new_tokens: tf.Tenso
         return logits[:, -1], [(cache.k, cache.v) for cache in caches]
 
     last, kv = run(ids, tf.constant(0), valid, [(empty, empty) for _ in range(c.num_layers)])
-    temperature, top_p = tf.cast(temperature, tf.float32), tf.cast(top_p, tf.float32)
-    top_k, seed = tf.cast(top_k, tf.int32), tf.cast(seed, tf.int32)
 
     def step(t, last, valid, kv, done, count, out, log_probs):
-        token = choose(last, temperature, top_k, top_p, seed, t)
-        token = tf.where(done, eos_id, token)
-        log_prob = tf.gather(tf.nn.log_softmax(last, axis=-1), token, batch_dims=1)
-        out, log_probs = out.write(t, token), log_probs.write(t, tf.where(done, 0.0, log_prob))
+        token = tf.where(done, eos_id, choose(last, temperature, top_k, top_p, seed, t))
+        log_prob = tf.where(done, 0.0, tf.gather(tf.nn.log_softmax(last, axis=-1), token, batch_dims=1))
+        column = tf.equal(tf.range(steps), t)[None, :]  # [1, steps]
+        out = tf.where(column, token[:, None], out)
+        log_probs = tf.where(column, log_prob[:, None], log_probs)
         count += tf.cast(~done, tf.int32)
-        done = done | tf.equal(token, eos_id)
+        done = done | tf.equal(token, eos_id) | (count >= limit)
+        if stopped is not None:
+            done = done | stopped(out[:, :t + 1], count)
         slot = prompt + t
         valid = tf.maximum(valid, tf.cast(tf.equal(tf.range(slots), slot), tf.float32)[None, :])
-        last, kv = run(token[:, None], slot, valid, kv)
+        last, kv = tf.cond(tf.reduce_all(done), lambda: (last, kv), lambda: run(token[:, None], slot, valid, kv))
         return t + 1, last, valid, kv, done, count, out, log_probs
 
-    loop = (tf.constant(0), last, valid, kv, tf.zeros([batch], tf.bool), tf.zeros([batch], tf.int32),
-            tf.TensorArray(tf.int32, size=max_new_tokens, element_shape=[None]),
-            tf.TensorArray(tf.float32, size=max_new_tokens, element_shape=[None]))
+    loop = (tf.constant(0), last, valid, kv, limit <= 0, tf.zeros([batch], tf.int32),
+            tf.fill(tf.stack([batch, steps]), tf.constant(eos_id, tf.int32)), tf.zeros(tf.stack([batch, steps])))
     _, _, _, _, _, count, out, log_probs = tf.while_loop(
-        lambda t, *_: t < max_new_tokens, step, loop,
+        lambda t, last, valid, kv, done, *_: (t < steps) & ~tf.reduce_all(done), step, loop,
         shape_invariants=(tf.TensorShape([]), last.shape, tf.TensorShape([None, None]),
                           [(tf.TensorShape([None, heads, None, d]),) * 2 for _ in kv],
-                          tf.TensorShape([None]), tf.TensorShape([None]), tf.TensorShape(None), tf.TensorShape(None)))
-    ids_out = tf.reshape(tf.transpose(out.stack()), tf.stack([batch, max_new_tokens]))
-    log_out = tf.reshape(tf.transpose(log_probs.stack()), tf.stack([batch, max_new_tokens]))
-    return {"ids": ids_out, "num_tokens": count, "log_probs": log_out}
+                          tf.TensorShape([None]), tf.TensorShape([None]), tf.TensorShape([None, None]),
+                          tf.TensorShape([None, None])))
+    return {"ids": out, "num_tokens": count, "log_probs": log_probs}

@@ -172,8 +172,12 @@ class GPT(tf_keras.Model):
         x = self.embed(ids)
         x = x + tf.gather(tf.cast(compat.position_embeddings(self.position_embedding), x.dtype), positions)
         for block, cache in zip(self.blocks, caches):
-            x = block([x, cache], training=False)
+            x = self.decode_block(block, x, cache)
         return self.output_logits(self.final_hidden(x))
+
+    def decode_block(self, block, x: tf.Tensor, cache) -> tf.Tensor:
+        """One block of `decode`: the block with its cache where it takes its mask."""
+        return block([x, cache], training=False)
 
     def final_hidden(self, x: tf.Tensor) -> tf.Tensor:
         """The final layer norm of the last block's output, whole sequences for the output layer."""

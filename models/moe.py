@@ -215,10 +215,11 @@ class MoEMLP(tf_keras.layers.Layer):
         self.wo = self.add_weight("wo", [self.num_experts, self.mlp_dim, embed], initializer=self._initializer())
         super().build(input_shape)
 
-    def route(self, grouped: tf.Tensor):
-        """Gating of grouped tokens [batch, groups, group_size, embed]; see top2_gating."""
+    def route(self, grouped: tf.Tensor, capacity: int | None = None):
+        """Gating of grouped tokens [batch, groups, group_size, embed] (capacity: the layer's
+        by default); see top2_gating."""
         logits = tf.einsum("bgsm,mx->bgsx", tf.cast(grouped, tf.float32), self.gate_kernel)
-        combine, dispatch, aux_loss = top2_gating(shard(logits, ROUTING_AXES[:4]), self.capacity)
+        combine, dispatch, aux_loss = top2_gating(shard(logits, ROUTING_AXES[:4]), capacity or self.capacity)
         return shard(combine, ROUTING_AXES), shard(dispatch, ROUTING_AXES), aux_loss
 
     def dispatch(self, grouped: tf.Tensor, dispatch: tf.Tensor) -> tf.Tensor:
@@ -256,13 +257,22 @@ class MoEMLP(tf_keras.layers.Layer):
                 f"length / group_size a multiple of {n}, or map 'expert' to no mesh axis in sharding.rules"
             )
 
-    def call(self, x: tf.Tensor):
-        """x [batch, length, embed] -> (y [batch, length, embed], aux_loss float32 scalar)."""
+    def call(self, x: tf.Tensor, each_token: bool = False):
+        """x [batch, length, embed] -> (y [batch, length, embed], aux_loss float32 scalar).
+
+        With `each_token` (generation: models/decoding.py) every token is a group of its own
+        with one slot per expert: the same gates and top-2 choices, and no token is dropped.
+        """
         length, embed = x.shape[-2], x.shape[-1]
-        self._check_groups_divide(length // self.group_size)
-        grouped = tf.reshape(x, [-1, length // self.group_size, self.group_size, embed])  # [b, g, s, embed]
+        if each_token:
+            length = tf.shape(x)[1]
+            group_size, capacity, groups = 1, 1, length
+        else:
+            group_size, capacity, groups = self.group_size, self.capacity, length // self.group_size
+            self._check_groups_divide(groups)
+        grouped = tf.reshape(x, [-1, groups, group_size, embed])  # [b, g, s, embed]
         grouped = shard(grouped, GROUPED_AXES)
-        combine, dispatch, aux_loss = self.route(grouped)
+        combine, dispatch, aux_loss = self.route(grouped, capacity)
         y = self.combine(self.experts(self.dispatch(grouped, dispatch)), combine)
         return tf.reshape(y, [-1, length, embed]), aux_loss  # [batch, length, embed]
 
@@ -306,7 +316,8 @@ class MoEBlock(tf_keras.layers.Layer):
         h = self.attention_layer_norm(x)
         h = self.attention(tf.cast(h, self.compute_dtype), mask, training=training)
         x = x + self.attention_dropout(h, training=training)
-        y, aux_loss = self.moe_mlp(self.output_layer_norm(x))
+        # Handed a decoding.LayerCache for the mask (generation), each token routes on its own.
+        y, aux_loss = self.moe_mlp(self.output_layer_norm(x), each_token=hasattr(mask, "attend"))
         return x + self.output_dropout(y, training=training), aux_loss
 
     def get_config(self):
@@ -339,6 +350,12 @@ class MoELM(gpt.GPT):
         x, aux_loss = self._moe_block(block, x, mask, training)
         self.add_loss(aux_loss)
         return x
+
+    def decode_block(self, block, x, cache):
+        """One block of `decode`: a MoE block routes each token as a group of its own."""
+        if not isinstance(block, MoEBlock):
+            return super().decode_block(block, x, cache)
+        return block([x, cache], training=False)[0]
 
     def block_and_aux(self, block, x, mask, training):
         """One block as a pipeline stage runs it: (x, aux_loss_coef x its aux loss / MoE blocks),

@@ -327,12 +327,13 @@ def test_without_a_vocabulary_ids_is_the_default_signature(tmp_path):
 
 @pytest.mark.unit
 def test_moe_serves_ids_padded_to_whole_sequences(tmp_path):
-    """MoE's routing groups are slices of seq_len tokens: its signatures run the model on ids padded to seq_len."""
+    """MoE's routing groups are slices of seq_len tokens: its logits signatures run the model on ids
+    padded to seq_len (its generation decodes with a cache: tests/test_generation.py)."""
     cfg = moe.MoEConfig(vocab_size=2048, seq_len=16, num_layers=2, embed_dim=16, num_heads=2, mlp_dim=32,
                         num_experts=2, expert_mlp_dim=16, moe_every=2, group_size=8)
     model = initialized(moe.TASK, cfg)
     module, signatures = moe.TASK.serving(model, cfg, lm_data.LMDataConfig())
-    assert set(signatures) == {"serving_default", "generate", "ids"}
+    assert set(signatures) == {"serving_default", "generate", "sample", "generate_ids", "ids"}
     sig = tf.saved_model.load(export.write(module, signatures, str(tmp_path))).signatures
     ids = np.random.default_rng(0).integers(0, 2048, [2, 5]).astype(np.int32)
     got = sig["ids"](input_ids=tf.constant(ids))["logits"].numpy()

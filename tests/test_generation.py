@@ -9,7 +9,7 @@ from scipy import stats
 
 from tfpod import export
 from tfpod.input import lm_data
-from tfpod.models import decoding, gpt, llama, lm_serving
+from tfpod.models import decoding, gpt, llama, lm_serving, moe
 
 pytestmark = pytest.mark.unit
 
@@ -21,6 +21,10 @@ MODELS = {
     "llama_mqa_rope_scaled": lambda: llama.Llama(llama.LlamaConfig(
         vocab_size=64, seq_len=48, num_layers=2, embed_dim=32, num_heads=4, num_kv_heads=1, mlp_dim=48,
         init_stddev=0.3, rope_scaling_factor=8.0, rope_original_len=8)),
+    # capacity 8 = group_size: training's routing drops no token, as decoding's never does
+    "moe": lambda: moe.MoELM(moe.MoEConfig(vocab_size=64, seq_len=48, num_layers=2, embed_dim=32, num_heads=4,
+                                          mlp_dim=64, num_experts=4, expert_mlp_dim=32, group_size=8,
+                                          capacity_factor=2.0, init_stddev=0.3)),
 }
 EOS = 63
 
@@ -29,6 +33,15 @@ def built(name):
     model = MODELS[name]()
     model({"inputs": tf.zeros([1, 8], tf.int32)})
     return model
+
+
+def logits_fn(model):
+    """The model's logits of ids [batch, n] (MoE: run on them padded to seq_len, its groups' length)."""
+    if not isinstance(model, moe.MoELM):
+        return lambda x: model({"inputs": x}, training=False)
+    pad = lambda x: tf.pad(x, [[0, 0], [0, model.config.seq_len - tf.shape(x)[1]]])
+    return lambda x: model({"inputs": tf.ensure_shape(pad(x), [None, model.config.seq_len])},
+                           training=False)[:, :tf.shape(x)[1]]
 
 
 def right_padded(prompts):
@@ -47,13 +60,14 @@ def test_greedy_tokens_equal_the_recomputing_path(name):
     rng = np.random.default_rng(0)
     prompts = [rng.integers(1, EOS, n) for n in (6, 13, 1)]
     ids, lengths = right_padded(prompts)
-    _, signatures = lm_serving.serving(model, model.config, lm_data.LMDataConfig(format="ids", eos_id=EOS))
+    _, signatures = lm_serving.serving(model, model.config, lm_data.LMDataConfig(format="ids", eos_id=EOS),
+                                       whole_sequences=isinstance(model, moe.MoELM))
     got = signatures["generate_ids"](input_ids=ids, lengths=lengths, max_new_tokens=tf.constant(32),
                                      temperature=tf.constant(0.0), top_k=tf.constant(0), top_p=tf.constant(1.0),
                                      seed=tf.constant(0))
     ragged = tf.RaggedTensor.from_tensor(ids, lengths=lengths)
     want = tf.function(lambda r: lm_serving.recomputed_generate(
-        lambda x: model({"inputs": x}, training=False), model.config.seq_len, r, tf.constant(32)))(ragged).numpy()
+        logits_fn(model), model.config.seq_len, r, tf.constant(32)))(ragged).numpy()
     out, counts = got["ids"].numpy(), got["num_tokens"].numpy()
     for row in range(3):
         n = counts[row]
@@ -64,7 +78,7 @@ def test_greedy_tokens_equal_the_recomputing_path(name):
     # Each token's log-probability is the model's log-softmax at its position.
     row = 0
     sequence = np.concatenate([prompts[row], out[row, :counts[row]]])[None]
-    logits = model({"inputs": tf.constant(sequence)}, training=False).numpy()[0]
+    logits = logits_fn(model)(tf.constant(sequence)).numpy()[0]
     starts = len(prompts[row]) - 1
     log_softmax = logits - np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1, keepdims=True)) \
         - logits.max(-1, keepdims=True)
@@ -73,20 +87,24 @@ def test_greedy_tokens_equal_the_recomputing_path(name):
 
 
 def test_sampling_is_reproducible_and_draws_from_the_filtered_softmax():
-    """The first new token of 4,000 rows of one prompt (one draw each), temperature 0.7:
-    its frequencies match softmax(logits / 0.7) by a chi-square test whose false-alarm rate
-    is 1e-6 (bins of expected count < 5 merged); with top_k=5 only the 5 likeliest tokens
-    come, with top_p=0.5 only the nucleus. The same seed gives the same tokens; another seed
-    others."""
+    """The first new token of 4,000 rows of one prompt, each row its own seed, temperature
+    0.7: its frequencies match softmax(logits / 0.7) by a chi-square test whose false-alarm
+    rate is 1e-6 (bins of expected count < 5 merged). Options per row: rows with top_k=5 draw
+    only the 5 likeliest tokens, rows with top_p=0.5 only the nucleus, rows at temperature 0
+    the argmax, in one batch. The same seed gives the same token whatever else is in the
+    batch; other seeds others."""
     model = built("llama")
     prompt = np.random.default_rng(1).integers(1, EOS, 7)
     rows = 4000
-    ids, lengths = right_padded([prompt] * rows)
     logits = model({"inputs": tf.constant(prompt[None])}, training=False).numpy()[0, -1].astype(np.float64)
-    draw = tf.function(lambda t, k, p, seed: decoding.generate(model, ids, lengths, tf.constant(1), EOS, t, k, p, seed,
-                                                               kv_heads=2))
-    first = lambda *a: draw(*a)["ids"].numpy()[:, 0]
-    tokens = first(0.7, 0, 1.0, 3)
+    draw = tf.function(lambda ids, lengths, t, k, p, seed: decoding.generate(
+        model, ids, lengths, tf.constant(1), EOS, t, k, p, seed, kv_heads=2))
+
+    def first(t, k, p, seed, n=rows):
+        return draw(*right_padded([prompt] * n), t, k, p, seed)["ids"].numpy()[:, 0]
+
+    seeds = np.arange(rows, dtype=np.int32)
+    tokens = first(0.7, 0, 1.0, seeds)
     probs = np.exp((logits - logits.max()) / 0.7)
     probs /= probs.sum()
     order = np.argsort(-probs)
@@ -97,13 +115,21 @@ def test_sampling_is_reproducible_and_draws_from_the_filtered_softmax():
     chi2 = ((observed - expected) ** 2 / expected).sum()
     assert chi2 < stats.chi2.ppf(1 - 1e-6, len(expected) - 1), (chi2, len(expected))
     assert len(set(tokens)) > 10  # a real spread, not the argmax
-    np.testing.assert_array_equal(first(0.7, 0, 1.0, 3), tokens)
-    assert (first(0.7, 0, 1.0, 4) != tokens).mean() > 0.3
-    assert set(first(1.0, 5, 1.0, 3)) <= set(order[:5].tolist())
+    np.testing.assert_array_equal(first(0.7, 0, 1.0, seeds), tokens)
+    np.testing.assert_array_equal(first(0.7, 0, 1.0, seeds[17:20], n=3), tokens[17:20])  # alone, the same
+    assert (first(0.7, 0, 1.0, seeds + rows) != tokens).mean() > 0.3
+    assert (first(0.7, 0, 1.0, 3) == first(0.7, 0, 1.0, 3)[0]).all()  # one seed for every row: one draw
     cumulative = np.cumsum(np.sort(np.exp(logits - logits.max()) / np.exp(logits - logits.max()).sum())[::-1])
-    nucleus = order[:int(np.searchsorted(cumulative, 0.5)) + 1]  # the smallest set reaching 0.5
-    assert set(first(1.0, 0, 0.5, 3)) <= set(np.argsort(-logits)[:len(nucleus)].tolist())
-    assert (first(0.0, 0, 1.0, 3) == np.argmax(logits)).all()  # temperature 0: greedy
+    nucleus = np.argsort(-logits)[:int(np.searchsorted(cumulative, 0.5)) + 1]  # the smallest set reaching 0.5
+    third = rows // 3
+    t = np.full(rows, 1.0, np.float32)
+    t[2 * third:] = 0.0
+    k = np.where(np.arange(rows) < third, 5, 0).astype(np.int32)
+    p = np.where((np.arange(rows) >= third) & (np.arange(rows) < 2 * third), 0.5, 1.0).astype(np.float32)
+    mixed = first(t, k, p, seeds)
+    assert set(mixed[:third]) <= set(order[:5].tolist()) and len(set(mixed[:third])) > 1
+    assert set(mixed[third:2 * third]) <= set(nucleus.tolist())
+    assert (mixed[2 * third:] == np.argmax(logits)).all()  # temperature 0: greedy
 
 
 def test_the_saved_model_generates_and_refuses_what_it_cannot_serve_in_one_line(tmp_path):
@@ -122,9 +148,10 @@ def test_the_saved_model_generates_and_refuses_what_it_cannot_serve_in_one_line(
     greedy = served["generate"](text=texts, max_new_tokens=tf.constant(8))
     assert greedy["ids"].shape == (2, 8) and greedy["text"].shape == (2,) and greedy["log_probs"].shape == (2, 8)
     options = dict(max_new_tokens=tf.constant(8), top_k=tf.constant(0), top_p=tf.constant(1.0), seed=tf.constant(5))
-    cold = served["sample"](text=texts, temperature=tf.constant(0.0), **options)
+    sample = lambda **a: served["sample"](text=texts, stop=tf.constant(""), **options, **a)
+    cold = sample(temperature=tf.constant(0.0))
     np.testing.assert_array_equal(cold["ids"], greedy["ids"])
-    hot = [served["sample"](text=texts, temperature=tf.constant(1.0), **options)["ids"].numpy() for _ in range(2)]
+    hot = [sample(temperature=tf.constant(1.0))["ids"].numpy() for _ in range(2)]
     np.testing.assert_array_equal(*hot)
     too_long = tf.constant(["x " * 40])
     with pytest.raises(tf.errors.InvalidArgumentError, match=r"a prompt of \d+ tokens plus max_new_tokens=8 is more "
@@ -136,8 +163,106 @@ def test_the_saved_model_generates_and_refuses_what_it_cannot_serve_in_one_line(
     with pytest.raises(tf.errors.InvalidArgumentError, match=r"input_ids holds values from 1 to 4000, outside "
                                                              r"\[0, 2048\)"):
         served["generate_ids"](input_ids=tf.constant([[1, 4000]]), lengths=tf.constant([2]), **ids_options)
+    with pytest.raises(tf.errors.InvalidArgumentError, match=r"temperature has 3 values for 2 rows: send one value "
+                                                             r"for every row or one per row"):
+        sample(temperature=tf.constant([1.0, 0.5, 0.2]))
     again = served["generate"](text=texts, max_new_tokens=tf.constant(8))
     np.testing.assert_array_equal(again["ids"], greedy["ids"])
+
+
+def test_per_row_limits_and_stop_strings_end_each_row_on_its_own(tmp_path):
+    """In one request: a row with max_new_tokens=3 stops after 3 tokens while the other goes
+    on to 8 (the greedy tokens either way); a stop string ends its row at the token whose text
+    completes it, and the text is cut before it. The README's worked REST requests, made
+    into tensors as TF Serving makes them, are served."""
+    from tfpod.input import text as text_lib
+
+    config = llama.LlamaConfig(vocab_size=2048, seq_len=160, num_layers=1, embed_dim=32, num_heads=4, num_kv_heads=2,
+                               mlp_dim=48, init_stddev=0.3)
+    model = llama.Llama(config)
+    model({"inputs": tf.zeros([1, 8], tf.int32)})
+    data = lm_data.LMDataConfig()
+    module, signatures = lm_serving.serving(model, config, data)
+    served = tf.saved_model.load(export.write(module, signatures, str(tmp_path))).signatures
+    tokenizer = text_lib.load_tokenizer(lm_data.resolve(data).vocab_path)
+    texts = tf.constant(["def f(x):", "import"])
+    greedy = served["generate"](text=texts, max_new_tokens=tf.constant(8))
+    ids = greedy["ids"].numpy()
+    assert (greedy["num_tokens"].numpy() == 8).all()  # (no EOS from this model in 8 tokens)
+    options = dict(temperature=tf.constant([0.0, 0.0]), top_k=tf.constant([0, 0]), top_p=tf.constant([1.0, 1.0]),
+                   seed=tf.constant([0, 0]))
+    short = served["sample"](text=texts, max_new_tokens=tf.constant([3, 8]), stop=tf.constant(["", ""]), **options)
+    assert short["ids"].shape == (2, 8) and list(short["num_tokens"].numpy()) == [3, 8]
+    np.testing.assert_array_equal(short["ids"].numpy()[0, :3], ids[0, :3])
+    assert (short["ids"].numpy()[0, 3:] == data.eos).all()
+    np.testing.assert_array_equal(short["ids"].numpy()[1], ids[1])
+    assert short["text"].numpy()[1] == greedy["text"].numpy()[1]
+
+    full = greedy["text"].numpy()[0].decode()
+    prefix = lambda n: tokenizer.detokenize(tf.constant(ids[0, :n])).numpy().decode()
+    n_stop = next(n for n in range(2, 9) if len(prefix(n)) > len(prefix(n - 1)) >= 1)
+    stop = prefix(n_stop)[-1]  # the last character of the n_stop-th token's text, new at that token
+    first = next(n for n in range(1, 9) if stop in prefix(n))  # where it first appears
+    stopped = served["sample"](text=texts, max_new_tokens=tf.constant(8), stop=tf.constant([stop, ""]), **options)
+    assert list(stopped["num_tokens"].numpy()) == [first, 8]
+    np.testing.assert_array_equal(stopped["ids"].numpy()[0, :first], ids[0, :first])
+    assert stopped["text"].numpy()[0].decode() == full[:full.index(stop)]
+    assert stopped["text"].numpy()[1] == greedy["text"].numpy()[1]
+    every_row = served["sample"](text=texts, max_new_tokens=tf.constant(8), stop=tf.constant([[stop, "zzzz"]]),
+                                 **options)  # [1, 2]: both stops for every row
+    assert every_row["num_tokens"].numpy()[0] == first
+    for body in readme_requests():
+        signature = served[body["signature_name"]]
+        specs = signature.structured_input_signature[1]
+        if "instances" in body:  # the row format: each input stacked over the instances
+            inputs = {k: [row[k] for row in body["instances"]] for k in body["instances"][0]}
+        else:
+            inputs = body["inputs"]
+        assert set(inputs) == set(specs)
+        out = signature(**{k: tf.constant(v, specs[k].dtype) for k, v in inputs.items()})
+        rows = len(inputs.get("text", inputs.get("input_ids")))
+        assert out["ids"].shape[0] == rows and (out["num_tokens"].numpy() >= 1).all()
+
+
+def test_gpt_moe_and_llama_exports_generate_in_a_fresh_process(tmp_path):
+    """Each decoder's export (text signatures), loaded by a fresh process with tensorflow and
+    tensorflow_text only, samples what the model gives in this process: per-row options, a
+    stop string, the cache."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from test_export import LOADER
+
+    inputs = {"text": ["def f(x):", "import", "class A"], "max_new_tokens": [6, 10, 8],
+              "temperature": [0.0, 0.9, 0.7], "top_k": [0, 20, 0], "top_p": [1.0, 1.0, 0.8], "seed": [0, 1, 2],
+              "stop": [["", ""], ["(", "zz"], ["", ""]]}
+    small = dict(vocab_size=2048, seq_len=32, num_layers=2, embed_dim=32, num_heads=4, init_stddev=0.3)
+    models = {"gpt": gpt.GPT(gpt.GPTConfig(mlp_dim=64, **small)),
+              "moe": moe.MoELM(moe.MoEConfig(mlp_dim=64, num_experts=4, expert_mlp_dim=32, group_size=8, **small)),
+              "llama": llama.Llama(llama.LlamaConfig(num_kv_heads=2, mlp_dim=48, **small))}
+    jobs, expected = {}, {}
+    for name, model in models.items():
+        model({"inputs": tf.zeros([1, 8], tf.int32)})
+        module, signatures = lm_serving.serving(model, model.config, lm_data.LMDataConfig(),
+                                                whole_sequences=name == "moe")
+        out = signatures["sample"](**{k: tf.constant(v) for k, v in inputs.items()})
+        expected.update({f"{name}/sample/{k}": v.numpy() for k, v in out.items()})
+        jobs[name] = {"dir": export.write(module, signatures, str(tmp_path / name)), "calls": {"sample": inputs}}
+    (tmp_path / "jobs.json").write_text(json.dumps(jobs))
+    clean = {k: v for k, v in os.environ.items() if not k.startswith(("TF_USE_LEGACY_KERAS", "TFPOD", "PYTHONPATH"))}
+    proc = subprocess.run([sys.executable, "-c", LOADER, str(tmp_path / "jobs.json"), str(tmp_path / "out.npz")],
+                          capture_output=True, text=True, timeout=600, cwd=str(tmp_path), env=clean)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert json.loads(proc.stdout.strip().splitlines()[-1]) == []  # no tfpod, tf_keras or Model Garden
+    served = dict(np.load(tmp_path / "out.npz"))
+    for key, want in expected.items():
+        if key.endswith("log_probs"):
+            np.testing.assert_allclose(served[key], want, atol=1e-5)
+        else:
+            np.testing.assert_array_equal(served[key], want.astype(bytes) if want.dtype == object else want)
+    for name in models:
+        assert expected[f"{name}/sample/num_tokens"][0] == 6  # greedy row 0: no EOS within its 6
 
 
 @pytest.mark.parametrize("family", ["gpt2", "mistral"])
@@ -182,3 +307,21 @@ def test_greedy_tokens_equal_transformers_generate_for_an_imported_model(family,
         n = int(ours["num_tokens"][row])
         np.testing.assert_array_equal(ours["ids"].numpy()[row, :n], theirs[row, :n])
     assert len({tuple(r) for r in theirs.tolist()}) == 3
+
+
+def readme_requests() -> list[dict]:
+    """The JSON bodies of the README's serving requests (its curl lines run by bash with a
+    curl that prints what it would send)."""
+    import json
+    import os
+    import subprocess
+
+    readme = open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "README.md")).read()
+    block = readme.split("Serving a language model, one request per decoding option")[1].split("```sh\n")[1]
+    block = block.split("```")[0].split("\n", 1)[1]  # the curl lines, after the docker line
+    script = 'curl() { printf "%s\\0" "$2"; }\n' + block
+    bodies = subprocess.run(["bash", "-c", script], capture_output=True, text=True, check=True).stdout
+    requests = [json.loads(body) for body in bodies.split("\0") if body.strip()]
+    assert len(requests) == 5
+    return requests
+
