@@ -36,6 +36,7 @@ class RunConfigs:
     train: object  # controller.TrainConfig
     optimizer: object  # optimizers.OptimizerConfig
     sharding: object  # partitioning.ShardingConfig
+    lora: object = None  # lora.LoraConfig (the task is then lora.adapt's: its model has adapters)
 
 
 @dataclasses.dataclass
@@ -68,13 +69,16 @@ class RunOptions:
 
 def build_run_configs() -> RunConfigs:
     """Builds every config (each value checked: types, ranges, choices) from the parsed gin config."""
+    from tfpod import lora
     from tfpod.models import get_task
 
     experiment = config.build_config("experiment")
     task = get_task(experiment.model)
-    return RunConfigs(task=task, experiment=experiment, model=config.build_config(task.name),
+    adapters = config.build_config("lora")
+    return RunConfigs(task=lora.adapt(task, adapters), experiment=experiment, model=config.build_config(task.name),
                       data=config.build_config(task.data_name), train=config.build_config("train"),
-                      optimizer=config.build_config("optimizer"), sharding=config.build_config("sharding"))
+                      optimizer=config.build_config("optimizer"), sharding=config.build_config("sharding"),
+                      lora=adapters)
 
 
 def check_writable(model_dir: str) -> None:

@@ -168,13 +168,15 @@ class CheckpointManager:
         except (AssertionError, ValueError) as e:
             raise UserError(f"checkpoint {path} is not of this model ({first_line(e)}); {fix}") from None
 
-    def restore_weights(self, path: str, what: str) -> None:
-        """Only the model's weights of checkpoint `path` (not the optimizer state or the step).
+    def restore_weights(self, path: str, what: str, absent_ok=None) -> None:
+        """Only the model's weights of checkpoint `path` (not the optimizer state or the step);
+        `absent_ok(key)`: this model's weights the checkpoint may lack (they keep their values).
 
         Raises:
           UserError: the checkpoint is of another model (`what` names the setting that gave it).
         """
-        read_weights(self.state, path, f"{what}={path}", "pass a checkpoint of the same model config", self._mesh)
+        read_weights(self.state, path, f"{what}={path}", "pass a checkpoint of the same model config", self._mesh,
+                     absent_ok)
 
     def restore_latest(self) -> int | None:
         """Restores the newest complete, readable checkpoint if there is one; returns its step or None.
@@ -330,22 +332,26 @@ class NonfiniteState(UserError):
         )
 
 
-def read_weights(state: TrainState, path: str, where: str, fix: str, scope=contextlib.nullcontext) -> None:
+def read_weights(state: TrainState, path: str, where: str, fix: str, scope=contextlib.nullcontext,
+                 absent_ok=None) -> None:
     """Reads only the state's model weights from checkpoint `path` (its optimizer state is
     left), within `scope` (e.g. the default mesh a DTensor restore names its files on).
+    `absent_ok(key)`: the model's weights (checkpoint keys) the checkpoint may lack, e.g.
+    LoRA's adapters on a base model's checkpoint; they keep their values.
 
     Raises:
       UserError: "`where` is not of this model" (the variables that differ) or does not fit
         it, then `fix`.
     """
     ckpt = tf.train.Checkpoint(model=state.model)
-    problem = mismatch(ckpt, path, weights_only=True)
+    problem = mismatch(ckpt, path, weights_only=True, absent_ok=absent_ok)
     if problem:
         raise UserError(f"{where} is not of this model: {problem}; {fix}")
     try:
         with scope():
             status = ckpt.restore(path)
-            status.assert_existing_objects_matched()
+            if absent_ok is None:  # (else mismatch checked every other weight's key and shape)
+                status.assert_existing_objects_matched()
     except (AssertionError, ValueError) as e:
         raise UserError(f"{where} does not fit this model ({first_line(e)}): {fix}") from None
     status.expect_partial()  # the optimizer's state is not read
@@ -425,12 +431,14 @@ def variables_by_key(ckpt: tf.train.Checkpoint) -> dict[str, tf.Variable]:
     return compat.checkpoint_objects(ckpt)
 
 
-def mismatch(ckpt: tf.train.Checkpoint, path: str, show: int = 3, weights_only: bool = False) -> str | None:
+def mismatch(ckpt: tf.train.Checkpoint, path: str, show: int = 3, weights_only: bool = False,
+             absent_ok=None) -> str | None:
     """What differs between the variables in checkpoint `path` and those `ckpt` holds (None: they match).
 
     Names up to `show` variables of each kind: missing from the checkpoint, in the
     checkpoint but not in the model, and stored with another shape. With `weights_only`,
-    the checkpoint's optimizer state is not counted as extra (`ckpt` holds only `model`).
+    the checkpoint's optimizer state is not counted as extra (`ckpt` holds only `model`);
+    keys for which `absent_ok(key)` holds are not counted as missing.
     """
     stored = {k: tuple(v) for k, v in tf.train.list_variables(path)
               if k.endswith("/.ATTRIBUTES/VARIABLE_VALUE") and not k.startswith("save_counter/")
@@ -441,7 +449,8 @@ def mismatch(ckpt: tf.train.Checkpoint, path: str, show: int = 3, weights_only: 
     listed = lambda keys: ", ".join(keys[:show]) + (f" and {len(keys) - show} more" if len(keys) > show else "")
     parts = []
     order = lambda k: (".OPTIMIZER_SLOT" in k, k)  # weights first, then optimizer slots
-    missing = [short(k) for k in sorted(expected.keys() - stored.keys(), key=order)]
+    missing = [short(k) for k in sorted(expected.keys() - stored.keys(), key=order)
+               if not (absent_ok and absent_ok(k))]
     extra = [short(k) for k in sorted(stored.keys() - expected.keys(), key=order)]
     shapes = [f"{short(k)} {list(stored[k])} vs {list(v)} here" for k, v in sorted(expected.items(), key=lambda kv: order(kv[0]))
               if k in stored and stored[k] != v]

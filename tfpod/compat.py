@@ -14,6 +14,7 @@ everywhere else.
 from __future__ import annotations
 
 import contextlib
+import importlib
 import importlib.metadata
 
 from tfpod import UserError
@@ -178,8 +179,7 @@ def saveable_object_class():
 
 
 def set_checkpoint_saveable(variable, factory) -> None:
-    """Makes checkpoints save and restore `variable` through factory(name) -> SaveableObject
-    (DVariable's own hook, `_gather_saveables_for_checkpoint`, on this instance)."""
+    """Checkpoints save and restore `variable` through factory(name) -> SaveableObject (its own hook)."""
     variable._gather_saveables_for_checkpoint = lambda: {"VARIABLE_VALUE": factory}
 
 
@@ -189,8 +189,7 @@ def lazy_variable():
 
 
 def set_lazy_initial_value(variable, value) -> bool:
-    """Makes `value` the initial value of a lazy variable (placed on the mesh with it when its model is
-    built); False, and nothing done, for any other variable."""
+    """Makes `value` a lazy variable's initial value (placed with it); False, nothing done, for others."""
     if not isinstance(variable, lazy_variable().LazyInitVariable):
         return False
     variable._initial_value = value
@@ -211,8 +210,7 @@ def wrap_create_dvariable(wrap) -> None:
 
 
 def wrap_variable_mapping(wrap) -> None:
-    """Replaces tf_keras's two functions that place a model's lazy variables (subclassed,
-    functional) by wrap(original), once."""
+    """Replaces tf_keras's two functions placing a model's lazy variables by wrap(original), once."""
     lib = layout_map_lib()
     for name in ("_map_subclass_model_variable", "_map_functional_model_variable"):
         if not getattr(getattr(lib, name), "_tfpod", False):
@@ -307,6 +305,11 @@ def check_replayable_dropout(layer, what: str) -> None:
                             "remat=False")
 
 
+def set_trainable(variable, trainable: bool) -> None:
+    """Sets a (lazy, placed or AutoCast-wrapped) variable's own trainable flag."""
+    inner_variable(variable)._trainable = trainable
+
+
 def weight_lists(layer) -> tuple[list, list]:
     """A layer's own (trainable, non-trainable) weight lists, in creation order (mutable)."""
     return layer._trainable_weights, layer._non_trainable_weights
@@ -327,9 +330,8 @@ def set_training_state(model, state) -> None:
 
 
 def no_autograph():
-    """A scope in which tf_keras calls layers as written, without autograph's source
-    conversion (tf_keras converts a subclassed layer's `call` unless the caller's
-    autograph status is off, as inside `tf.function(autograph=False)`)."""
+    """A scope in which tf_keras calls layers as written (autograph's conversion off, as in
+    `tf.function(autograph=False)`; else tf_keras converts a subclassed layer's `call`)."""
     from tensorflow.python.autograph.core import ag_ctx
 
     return ag_ctx.ControlStatusCtx(status=ag_ctx.Status.DISABLED)
@@ -337,8 +339,6 @@ def no_autograph():
 
 def tf_keras(private: str = ""):
     """tf_keras, or its private module tf_keras.src.<private> (e.g. "engine.training")."""
-    import importlib
-
     return importlib.import_module(f"tf_keras.src.{private}" if private else "tf_keras")
 
 

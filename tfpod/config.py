@@ -2,7 +2,7 @@
 
 The only module that knows gin. Library classes become gin configurables here:
 `experiment.*` (ExperimentConfig), `train.*` (TrainConfig), `optimizer.*`
-(OptimizerConfig), `sharding.*` (ShardingConfig), and each task's model config under
+(OptimizerConfig), `sharding.*` (ShardingConfig), `lora.*` (LoraConfig), and each task's model config under
 its name (`gpt.*`) and data config under its data name (`lm_data.*`).
 
 Every bound value is checked against its field's type before a config is made (the
@@ -48,11 +48,11 @@ def _register() -> dict:
     """Registers the library's config classes with gin (once per process)."""
     if _CONFIGURABLES:
         return _CONFIGURABLES
-    from tfpod import controller, optimizers, partitioning
+    from tfpod import controller, lora, optimizers, partitioning
     from tfpod.models import TASKS
 
     classes = {"experiment": ExperimentConfig, "train": controller.TrainConfig, "optimizer": optimizers.OptimizerConfig,
-               "sharding": partitioning.ShardingConfig}
+               "sharding": partitioning.ShardingConfig, "lora": lora.LoraConfig}
     for name, task in TASKS.items():
         classes[name] = task.config_class
         classes.setdefault(task.data_name, task.data_config_class)  # tasks may share one (gpt, moe: lm_data)
@@ -229,10 +229,11 @@ def build_config(name: str):
 
 def build_task_configs():
     """(task module, model config, data config) from the parsed gin config."""
+    from tfpod import lora
     from tfpod.models import get_task
 
     task = get_task(build_config("experiment").model)
-    return task, build_config(task.name), build_config(task.data_name)
+    return lora.adapt(task, build_config("lora")), build_config(task.name), build_config(task.data_name)
 
 
 def operative_config() -> str:

@@ -24,8 +24,8 @@ from typing import Mapping
 
 import numpy as np
 
-from tfpod import (UserError, actions, checkpoint, feeding, flops, goodput, mesh as meshlib, nonfinite, preemption,
-                   runtime)
+from tfpod import (UserError, actions, checkpoint, feeding, flops, goodput, lora, mesh as meshlib, nonfinite,
+                   preemption, runtime)
 from tfpod.metrics_writer import MetricsWriter, Throughput
 from tfpod.precision import PRECISIONS
 from tfpod.trainer import Trainer
@@ -172,12 +172,18 @@ class Controller:
     def _resume(self) -> int | None:
         """The newest checkpoint's step; without one, the weights of train.init_from (step None)."""
         step = self.checkpoints.restore_latest()
+        adapters = self.trainer.task.lora  # LoRA: the base's weights and the adapters' record
+        path = checkpoint.resolve(self.cfg.init_from, "train.init_from") if self.cfg.init_from else None
+        if adapters is not None:
+            lora.check_base(self.model_dir, path, step is not None, self.is_chief)
         if self.cfg.init_from and step is not None:
             log.info("train.init_from=%s not read: resuming this run from its own step %d", self.cfg.init_from, step)
         elif self.cfg.init_from:
-            path = checkpoint.resolve(self.cfg.init_from, "train.init_from")
-            self.checkpoints.restore_weights(path, "train.init_from")
+            self.checkpoints.restore_weights(path, "train.init_from", lora.is_adapter_key if adapters else None)
             log.info("weights from %s (train.init_from); the optimizer state and the step start fresh", path)
+        elif adapters is not None and step is None:
+            log.warning("lora.rank=%d without train.init_from: the adapters train on a freshly initialized base; "
+                        "set train.init_from to a converted or trained checkpoint", adapters.rank)
         return step
 
     def synthetic_feed(self) -> feeding.SyntheticFeed:

@@ -59,12 +59,23 @@ def checkpoint_path(model_dir: str, checkpoint: str | None = None) -> str:
     return os.path.join(directory, f"ckpt-{steps[-1]}")
 
 
-def single_device_model(task, model_config, path: str):
-    """The task's model built without a mesh, every weight read whole from checkpoint `path`."""
+def built(task, model_config):
+    """The task's model built without a mesh (its variables made, initialized)."""
     model = task.build(model_config)
     example = {k: tf.zeros([1] + list(s.shape[1:]), s.dtype) for k, s in task.input_signature(model_config).items()}
     model(task.model_inputs(example), training=False)  # creates the variables
+    return model
+
+
+def single_device_model(task, model_config, path: str):
+    """The task's model built without a mesh, every weight read whole from checkpoint `path`;
+    with LoRA adapters (tfpod.lora), the base task's model with them merged into its weights."""
+    model = built(task, model_config)
     read_weights(TrainState(None, model), path, f"checkpoint {path}", "export with the gin config it was trained with")
+    if task.lora is not None:
+        from tfpod import lora
+
+        return lora.merged(model, built(task.base_task, model_config), task.lora)
     return model
 
 

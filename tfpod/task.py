@@ -64,6 +64,10 @@ class Task(abc.ABC):
     skips_corrupt: ClassVar[bool] = False
     lower_is_better: ClassVar[frozenset] = frozenset({"loss", "perplexity"})
     serves: ClassVar[bool] = False
+    # Set on the task tfpod.lora.adapt makes (its model has low-rank adapters): the LoraConfig
+    # and the task it adapts.
+    lora: ClassVar[Any] = None
+    base_task: ClassVar[Any] = None
 
     # -- the model ------------------------------------------------------------
 

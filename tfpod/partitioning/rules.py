@@ -56,6 +56,11 @@ class AxisRule:
     def matches(self, name: str) -> bool:
         return re.fullmatch(self.pattern, name) is not None
 
+    def axes_for(self, shape) -> tuple:
+        """The logical axes of a matched variable of this shape (a derived rule's depend on it:
+        tfpod.lora's adapters)."""
+        return self.axes
+
 
 @dataclasses.dataclass(frozen=True)
 class VarSpec:
@@ -193,17 +198,18 @@ def resolve(
             )
         rule = hits[0]
         used_rules.add(rule)
-        if len(rule.axes) != len(s.shape):
+        axes = rule.axes_for(s.shape)
+        if len(axes) != len(s.shape):
             raise UserError(
                 f"variable {s.name} {shape_text(s.shape)} has rank {len(s.shape)} but rule "
-                f"{rule.pattern!r} gives {len(rule.axes)} logical axes {rule.axes}: give one axis per dimension"
+                f"{rule.pattern!r} gives {len(axes)} logical axes {axes}: give one axis per dimension"
             )
-        layout = layout_for(rule.axes, table, mesh, s.shape)
+        layout = layout_for(axes, table, mesh, s.shape)
         for dim, (size, mesh_axis) in enumerate(zip(s.shape, layout.sharding_specs)):
             if mesh_axis != dtensor.UNSHARDED and size % mesh.dim_size(mesh_axis):
-                key = (rule.axes[dim], size, mesh_axis)
+                key = (axes[dim], size, mesh_axis)
                 first, count = undivided.get(key, (
-                    f"variable {s.name} {shape_text(s.shape)}: dimension {dim} ({rule.axes[dim]}, size {size}) "
+                    f"variable {s.name} {shape_text(s.shape)}: dimension {dim} ({axes[dim]}, size {size}) "
                     f"does not divide over mesh axis {mesh_axis!r} of size {mesh.dim_size(mesh_axis)} "
                     f"(rule {rule.pattern!r})", 0))
                 undivided[key] = (first, count + 1)

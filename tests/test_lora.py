@@ -1,0 +1,214 @@
+"""LoRA (tfpod/lora.py): adapters train on a frozen base, sharded as on one device; they start
+as the base model; a run resumes exactly, refuses another base, and exports merged."""
+
+import dataclasses
+import json
+import os
+import re
+
+import numpy as np
+import pytest
+import tensorflow as tf
+from tensorflow.experimental import dtensor
+
+from conftest import device_mesh, main_py, make_run, run_module
+from tfpod import UserError, export, lora, optimizers
+from tfpod.checkpoint import variables_by_key
+from tfpod.controller import TrainConfig
+from tfpod.models import bert, gpt, llama
+
+SMALL = {
+    "gpt": (gpt.TASK, gpt.GPTConfig(vocab_size=256, seq_len=32, num_layers=1, embed_dim=64, num_heads=8,
+                                    mlp_dim=128)),
+    "llama": (llama.TASK, llama.LlamaConfig(vocab_size=256, seq_len=32, num_layers=1, embed_dim=64, num_heads=8,
+                                            num_kv_heads=4, mlp_dim=128)),
+    "bert": (bert.TASK, bert.BertConfig(vocab_size=256, seq_len=32, max_predictions=4, num_layers=1, hidden_size=64,
+                                        num_heads=8, intermediate_size=128, dropout=0.0, attention_dropout=0.0)),
+}
+ADAPTERS = lora.LoraConfig(rank=4, alpha=8.0, dropout=0.1, targets=("attention", "mlp"))
+
+
+def on_host(v) -> np.ndarray:
+    layout = dtensor.fetch_layout(v)
+    return dtensor.unpack(dtensor.relayout(tf.convert_to_tensor(v), dtensor.Layout.replicated(
+        layout.mesh, layout.rank)))[0].numpy()
+
+
+def lora_run(name, mesh, model_dir, steps=6, adapters=ADAPTERS, **train):
+    task, cfg = SMALL[name]
+    train_config = TrainConfig(**{**dict(steps=steps, global_batch_size=8, steps_per_loop=2, log_every=1,
+                                         checkpoint_every=2, synthetic_data=True, seed=1), **train})
+    opt = optimizers.OptimizerConfig(learning_rate=5e-2, warmup_steps=0, decay_steps=8)
+    return make_run(lora.adapt(task, adapters), cfg, train_config, opt, mesh, model_dir, preset="tensor")
+
+
+@pytest.mark.parametrize("name", sorted(SMALL))
+def test_adapters_train_sharded_as_on_one_device_and_leave_every_base_weight_as_it_was(name, tmp_path):
+    """GPT, Llama, BERT with adapters on attention and MLP (rank 4; no dropout, whose masks are
+    drawn per device and so differ between meshes), `tensor` on
+    data:4,model:2 and on one device: the same losses (relative 1e-4, as every preset's test:
+    sums over shards round differently); only the adapters
+    train (the loss falls on a batch seen again and again) and have optimizer state; every base
+    weight is bit-identical to its start."""
+    results = {}
+    for mesh in ("data:4,model:2", "data:1,model:1"):
+        controller = lora_run(name, device_mesh(mesh), tmp_path / mesh.replace(",", "_"),
+                              adapters=dataclasses.replace(ADAPTERS, dropout=0.0))
+        model = controller.trainer.model
+        trainable = {v.name for v in model.trainable_variables}
+        assert trainable and all(re.search(r"/lora_[ab]:0$", n) for n in trainable)
+        frozen = {v.name: on_host(v) for v in model.variables if v.name not in trainable}
+        first_b = {v.name: on_host(v) for v in model.trainable_variables if "lora_b" in v.name}
+        assert all((b == 0).all() for b in first_b.values())
+        feed = controller.synthetic_feed()  # one batch, again and again: the adapters learn it
+        fixed = feed.make_batch(np.random.default_rng(0))
+        feed.make_batch = lambda rng: fixed
+        losses = controller.train(feed)["losses"]
+        assert losses[-1] < losses[0] - 0.1, losses
+        for v in model.variables:
+            if v.name in frozen:
+                np.testing.assert_array_equal(on_host(v), frozen[v.name], err_msg=v.name)
+            elif v.name in first_b:
+                assert np.abs(on_host(v)).max() > 0, v.name  # trained
+        state = tf.train.Checkpoint(model=model, optimizer=controller.trainer.optimizer)
+        slots = {k for k in variables_by_key(state) if ".OPTIMIZER_SLOT" in k}
+        assert slots and all(re.search(r"/lora_[ab]/\.OPTIMIZER_SLOT/", k) for k in slots)
+        results[mesh] = losses
+    np.testing.assert_allclose(results["data:4,model:2"], results["data:1,model:1"], rtol=1e-4)
+
+
+def test_adapter_layouts_follow_their_base_weights():
+    """On data:4,model:2 under `tensor`: lora_b of query/key/value split over `model` along the
+    heads as their kernels are, lora_a of attention_output and of the MLP's output along
+    their input; the rank never split."""
+    from tfpod import partitioning
+
+    task = lora.adapt(gpt.TASK, ADAPTERS)
+    _, cfg = SMALL["gpt"]
+    specs = partitioning.variable_specs(lambda: task.build(cfg), task.input_signature(cfg))
+    table = partitioning.rules_table("tensor")
+    layouts = partitioning.resolve(specs, task.axis_rules, table, device_mesh("data:4,model:2"))
+    got = {n.split("block_0/")[1]: layouts[n].sharding_specs for n in layouts if "lora" in n}
+    u = dtensor.UNSHARDED
+    assert got["self_attention/query/lora_a"] == [u, u]
+    assert got["self_attention/query/lora_b"] == [u, "model", u]
+    assert got["self_attention/attention_output/lora_a"] == ["model", u, u]
+    assert got["self_attention/attention_output/lora_b"] == [u, u]
+    assert got["intermediate/lora_b"] == [u, "model"] and got["output/lora_a"] == ["model", u]
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("name", sorted(SMALL))
+def test_zero_initialized_b_gives_the_base_models_outputs(name):
+    """The adapted model holding a base model's weights (and its own fresh adapters, lora_b
+    zero) gives the base model's outputs bit for bit; lora_a is PEFT's kaiming-uniform."""
+    task, cfg = SMALL[name]
+    base = export.built(task, cfg)
+    adapted = export.built(lora.adapt(task, ADAPTERS), cfg)
+    values = {v.name: v for v in base.variables}
+    for v in adapted.variables:
+        if "lora_" not in v.name:
+            v.assign(values[v.name])
+        elif "lora_a" in v.name:
+            bound = 1 / np.sqrt(np.prod(v.shape[:-1]))
+            assert np.abs(v.numpy()).max() <= bound and np.abs(v.numpy()).max() > bound / 2
+    example = {k: tf.constant(np.random.default_rng(0).integers(0, 200, [2] + list(s.shape[1:])).astype(
+        s.dtype.as_numpy_dtype)) for k, s in task.input_signature(cfg).items()}
+    if name == "bert":
+        example["input_mask"] = tf.ones_like(example["input_mask"])
+        example["segment_ids"] = tf.zeros_like(example["segment_ids"])
+    inputs = task.model_inputs(example)
+    for got, want in zip(tf.nest.flatten(adapted(inputs, training=False)), tf.nest.flatten(base(inputs, training=False))):
+        np.testing.assert_array_equal(got.numpy(), want.numpy())
+    for v in adapted.trainable_variables:  # trained adapters, with dropout on their inputs in training
+        if "lora_b" in v.name:
+            v.assign(tf.random.stateless_normal(v.shape, [1, 2]))
+    first = lambda training: tf.nest.flatten(adapted(inputs, training=training))[0].numpy()
+    assert not np.allclose(first(False), tf.nest.flatten(base(inputs, training=False))[0].numpy())
+    assert not np.allclose(first(True), first(False))  # (the model's own dropout is 0 but for BERT's)
+
+
+def test_lora_from_a_base_run_resumes_exactly_refuses_another_base_and_exports_merged(tmp_path):
+    """main.py: a base run on the default corpus; a LoRA run from it (train.init_from, adapter
+    dropout 0.1) stopped at step 4 and resumed gives the straight run's losses and
+    weights; resuming its adapters with another train.init_from is refused in one line with
+    nothing written; the merged SavedModel gives the unmerged model's logits (1e-5), and so does
+    the Hugging Face folder of merged weights in transformers (1e-4)."""
+    common = ["--gin_file=gin/lm_tiny.gin", "--cpu_devices=1", "--mesh=data:1", "--gin_param=train.steps_per_loop=2",
+              "--gin_param=train.log_every=2", "--gin_param=train.checkpoint_every=2",
+              "--gin_param=optimizer.warmup_steps=0", "--gin_param=optimizer.decay_steps=12"]
+    base = tmp_path / "base"
+    proc = main_py(*common, f"--model_dir={base}", "--gin_param=train.steps=4")  # ckpt-2 and ckpt-4
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    adapters = [f"--gin_param=train.init_from='{base}'", "--gin_param=lora.rank=8", "--gin_param=lora.dropout=0.1",
+                "--gin_param=optimizer.learning_rate=1e-2"]
+
+    def losses(model_dir):
+        rows = [json.loads(line) for line in open(model_dir / "metrics.jsonl")]
+        return {r["step"]: r["loss"] for r in rows if r["kind"] == "train"}
+
+    straight, parted = tmp_path / "straight", tmp_path / "parted"
+    for model_dir, steps in ((straight, [10]), (parted, [4, 10])):
+        for n in steps:
+            proc = main_py(*common, *adapters, f"--model_dir={model_dir}", f"--gin_param=train.steps={n}")
+            assert proc.returncode == 0, proc.stderr[-2000:]
+    assert losses(parted) == losses(straight)
+    ckpt = lambda d: {k: tf.train.load_variable(str(d / "checkpoints" / "ckpt-10"), k)
+                      for k, _ in tf.train.list_variables(str(d / "checkpoints" / "ckpt-10"))}
+    a, b = ckpt(straight), ckpt(parted)
+    assert a.keys() == b.keys()
+    for k in a:
+        if "save_counter" not in k:
+            np.testing.assert_array_equal(a[k], b[k], err_msg=k)
+    record = json.load(open(straight / lora.BASE_FILE))
+    assert record["init_from"] == str(base / "checkpoints" / "ckpt-4")  # the newest of the folder given
+
+    before = sorted(os.listdir(straight / "checkpoints")), (straight / "config.gin").read_text()
+    other = base / "checkpoints" / "ckpt-2"
+    proc = main_py(*common, *adapters[1:], f"--gin_param=train.init_from='{other}'", f"--model_dir={straight}",
+                   "--gin_param=train.steps=12")
+    assert proc.returncode == 1
+    assert re.search(r"train.init_from=\S+ckpt-2 is not the base this run's adapters were trained on \(\S+ckpt-4, "
+                     r"\S+lora_base.json\): resume with that base, or start a new --model_dir", proc.stderr)
+    assert (sorted(os.listdir(straight / "checkpoints")), (straight / "config.gin").read_text()) == before
+
+    proc = main_py(f"--model_dir={straight}", "--mode=export")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    served = tf.saved_model.load(str(straight / "export" / "gpt" / "1")).signatures["ids"]
+    from tfpod import config as configlib
+
+    configlib.parse_config([str(straight / "config.gin")], [])
+    task, cfg, _ = configlib.build_task_configs()
+    unmerged = export.built(task, cfg)
+    from tfpod.checkpoint import read_weights
+    from tfpod.train_state import TrainState
+
+    read_weights(TrainState(None, unmerged), str(straight / "checkpoints" / "ckpt-10"), "test", "")
+    ids = np.random.default_rng(0).integers(0, cfg.vocab_size, [2, 24]).astype(np.int32)
+    want = unmerged({"inputs": tf.constant(ids)}, training=False).numpy()
+    got = served(input_ids=tf.constant(ids))["logits"].numpy()
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    transformers = pytest.importorskip("transformers")
+    proc = run_module("tfpod.convert", "export", f"--model_dir={straight}", f"--hf={tmp_path / 'hub'}")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    hub = transformers.TFGPT2LMHeadModel.from_pretrained(str(tmp_path / "hub"))  # merged weights, as transformers reads
+    np.testing.assert_allclose(hub(tf.constant(ids)).logits.numpy(), want, rtol=1e-4, atol=1e-4)
+    stored = tf.train.list_variables(str(straight / "export" / "gpt" / "1" / "variables" / "variables"))
+    plain = export.built(task.base_task, cfg)  # the export holds the base model's weights alone
+    assert sum(np.prod(shape) for key, shape in stored if "VARIABLE_VALUE" in key) == plain.count_params()
+
+
+@pytest.mark.unit
+def test_bad_lora_settings_are_one_line():
+    with pytest.raises(UserError, match=r"lora.rank=-1 must be >= 0"):
+        lora.LoraConfig(rank=-1)
+    with pytest.raises(UserError, match=r"lora.targets: '\(' is not a group name"):
+        lora.LoraConfig(rank=2, targets=("(",))
+    task, cfg = SMALL["gpt"]
+    with pytest.raises(UserError, match=r"lora.targets=\('.\*/nothing/kernel',\) matches no kernel of this model"):
+        export.built(lora.adapt(task, lora.LoraConfig(rank=2, targets=(".*/nothing/kernel",))), cfg)
+    with pytest.raises(UserError, match=r"lora.trainable: '.\*/nope' matches no trainable variable"):
+        export.built(lora.adapt(task, lora.LoraConfig(rank=2, trainable=(".*/nope",))), cfg)
+    norms = export.built(lora.adapt(task, lora.LoraConfig(rank=2, trainable=(r".*/final_norm/(gamma|beta)",))), cfg)
+    assert sorted(v.name for v in norms.trainable_variables if "lora" not in v.name) == [
+        "gpt/final_norm/beta:0", "gpt/final_norm/gamma:0"]
