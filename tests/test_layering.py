@@ -24,7 +24,7 @@ LAYERS = [
                                     "tfpod.checkpoint_writer"),
      "planner": ("tfpod.plan",)},
     {"trainer and pipeline": ("tfpod.trainer", "tfpod.train_state", "tfpod.pipeline"), "models": ("tfpod.models",)},
-    {"task contract": ("tfpod.task",)},
+    {"task contract": ("tfpod.task", "tfpod.lora")},
     {"input": ("tfpod.input",)},
     {"partitioning and the runtime": ("tfpod.partitioning", "tfpod.optimizers", "tfpod.fused", "tfpod.mesh",
                                       "tfpod.runtime", "tfpod.measured", "tfpod.flops")},

@@ -14,6 +14,7 @@ from tensorflow.experimental import dtensor
 from conftest import device_mesh, main_py, make_run, run_module
 from tfpod import UserError, export, lora, optimizers
 from tfpod.checkpoint import variables_by_key
+from tfpod.convert import hub as hublib
 from tfpod.controller import TrainConfig
 from tfpod.models import bert, gpt, llama
 
@@ -193,6 +194,16 @@ def test_lora_from_a_base_run_resumes_exactly_refuses_another_base_and_exports_m
     assert proc.returncode == 0, proc.stderr[-2000:]
     hub = transformers.TFGPT2LMHeadModel.from_pretrained(str(tmp_path / "hub"))  # merged weights, as transformers reads
     np.testing.assert_allclose(hub(tf.constant(ids)).logits.numpy(), want, rtol=1e-4, atol=1e-4)
+    # the adapters alone as PEFT files, merged into the base's Hub folder in NumPy as PEFT defines the merge
+    for args in ((f"--model_dir={base}", f"--hf={tmp_path / 'base_hub'}"),
+                 (f"--model_dir={straight}", f"--peft={tmp_path / 'peft'}")):
+        proc = run_module("tfpod.convert", "export", *args)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+    merged = peft_merge(tmp_path / "base_hub", tmp_path / "peft")
+    hublib.write_folder(str(tmp_path / "merged"), json.load(open(tmp_path / "base_hub" / "config.json")),
+                        merged.items())
+    numpy_merged = transformers.TFGPT2LMHeadModel.from_pretrained(str(tmp_path / "merged"))
+    np.testing.assert_allclose(numpy_merged(tf.constant(ids)).logits.numpy(), got, rtol=1e-5, atol=1e-5)
     stored = tf.train.list_variables(str(straight / "export" / "gpt" / "1" / "variables" / "variables"))
     plain = export.built(task.base_task, cfg)  # the export holds the base model's weights alone
     assert sum(np.prod(shape) for key, shape in stored if "VARIABLE_VALUE" in key) == plain.count_params()
@@ -212,3 +223,28 @@ def test_bad_lora_settings_are_one_line():
     norms = export.built(lora.adapt(task, lora.LoraConfig(rank=2, trainable=(r".*/final_norm/(gamma|beta)",))), cfg)
     assert sorted(v.name for v in norms.trainable_variables if "lora" not in v.name) == [
         "gpt/final_norm/beta:0", "gpt/final_norm/gamma:0"]
+
+
+def peft_merge(base_hub, adapters) -> dict:
+    """PEFT's LoRA merge in NumPy: each adapted module's weight W + (lora_alpha / r) * B @ A,
+    transposed for fan_in_fan_out (GPT-2's Conv1D), r and lora_alpha from rank_pattern and
+    alpha_pattern where a key matches the module's name (peft.tuners.lora, `get_delta_weight`)."""
+    from safetensors.numpy import load_file
+
+    tensors = load_file(str(base_hub / "model.safetensors"))
+    cfg = json.load(open(adapters / "adapter_config.json"))
+    weights = load_file(str(adapters / "adapter_model.safetensors"))
+    assert cfg["peft_type"] == "LORA" and cfg["bias"] == "none"
+    for key, a in weights.items():
+        if not key.endswith(".lora_A.weight"):
+            continue
+        module = key[len("base_model.model."):-len(".lora_A.weight")]
+        assert any(module == t or module.endswith("." + t) for t in cfg["target_modules"])
+        pick = lambda table, default: next((v for k, v in table.items() if re.match(rf"(.*\.)?{k}$", module)), default)
+        r, alpha = pick(cfg["rank_pattern"], cfg["r"]), pick(cfg["alpha_pattern"], cfg["lora_alpha"])
+        b = weights[key.replace(".lora_A.", ".lora_B.")]
+        assert a.shape[0] == b.shape[1] == r
+        delta = b @ a * (alpha / r)
+        tensors[module + ".weight"] = tensors[module + ".weight"] + (delta.T if cfg["fan_in_fan_out"] else delta)
+    return tensors
+

@@ -67,12 +67,13 @@ def built(task, model_config):
     return model
 
 
-def single_device_model(task, model_config, path: str):
+def single_device_model(task, model_config, path: str, merge: bool = True):
     """The task's model built without a mesh, every weight read whole from checkpoint `path`;
-    with LoRA adapters (tfpod.lora), the base task's model with them merged into its weights."""
+    with LoRA adapters (tfpod.lora), the base task's model with them merged into its weights
+    (`merge`; else the model with its adapters)."""
     model = built(task, model_config)
     read_weights(TrainState(None, model), path, f"checkpoint {path}", "export with the gin config it was trained with")
-    if task.lora is not None:
+    if task.lora is not None and merge:
         from tfpod import lora
 
         return lora.merged(model, built(task.base_task, model_config), task.lora)

@@ -11,7 +11,9 @@ from tfpod import UserError, console
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("hf", None, "import: a Hugging Face model folder (config.json + safetensors); export: the folder "
-                    "to write")
+                    "to write (a LoRA run's with its adapters merged)")
+flags.DEFINE_string("peft", None, "export: a LoRA run's adapters alone, as a PEFT folder to write "
+                    "(adapter_config.json + adapter_model.safetensors)")
 flags.DEFINE_string("model_garden", None, "import: a Model Garden BERT checkpoint prefix (TF2 BertEncoder or "
                     "BertPretrainerV2, or a Google TF1 BERT checkpoint such as bert_model.ckpt)")
 flags.DEFINE_string("bert_config", None, "import --model_garden: its bert_config.json (default: next to the checkpoint)")
@@ -33,9 +35,9 @@ def main(argv) -> None:
                             f"(got {' '.join(argv[1:]) or 'no command'})")
         if argv[1] == "import" and bool(FLAGS.hf) == bool(FLAGS.model_garden):
             raise UserError("import needs one of --hf (a Hugging Face folder) or --model_garden (a checkpoint)")
-        if not FLAGS.model_dir or (argv[1] == "export" and not FLAGS.hf):
-            raise UserError(f"{argv[1]} needs --model_dir" + (" and --hf (the folder to write)" if argv[1] == "export"
-                                                               else ""))
+        if not FLAGS.model_dir or (argv[1] == "export" and not (FLAGS.hf or FLAGS.peft)):
+            raise UserError(f"{argv[1]} needs --model_dir" + (" and --hf or --peft (the folder to write)"
+                                                               if argv[1] == "export" else ""))
         with console.quiet(enabled=not verbose and tfpod.USER_TF_LOG_LEVEL is None):
             from tfpod.convert import run
 
@@ -47,7 +49,12 @@ def main(argv) -> None:
             elif argv[1] == "import":
                 run.import_hub(FLAGS.hf, FLAGS.model_dir, FLAGS.mesh, FLAGS.cpu_devices, tuple(FLAGS.gin_param))
             else:
-                run.export_hub(FLAGS.model_dir, FLAGS.hf, FLAGS.checkpoint)
+                if FLAGS.hf:
+                    run.export_hub(FLAGS.model_dir, FLAGS.hf, FLAGS.checkpoint)
+                if FLAGS.peft:
+                    from tfpod.convert import peft
+
+                    peft.export_peft(FLAGS.model_dir, FLAGS.peft, FLAGS.checkpoint)
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         if verbose:

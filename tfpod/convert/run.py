@@ -173,15 +173,17 @@ def _placed(value, variable):
     return place(value, layout) if layout is not None else value
 
 
-def export_hub(model_dir: str, out: str, checkpoint_prefix: str | None = None) -> dict:
-    """A run's checkpoint (the newest, or `checkpoint_prefix`) -> a Hugging Face folder `out`."""
+def exported_run(model_dir: str, out: str, flag: str, checkpoint_prefix: str | None = None, merge: bool = True):
+    """(the run's configs, its Hugging Face family, the checkpoint, its single-device model) for
+    an export into the new folder `out` (given by --`flag`); one UserError line when it cannot."""
     from tfpod import export as export_lib
 
     gin_path = os.path.join(model_dir, "config.gin")
     if not os.path.isfile(gin_path):
         raise UserError(f"--model_dir={model_dir} has no config.gin: pass the folder of a run tfpod trained or imported")
     if os.path.isdir(out) and os.listdir(out):
-        raise UserError(f"--hf={out} exists and is not empty: export into a new folder (nothing there is overwritten)")
+        raise UserError(f"--{flag}={out} exists and is not empty: export into a new folder (nothing there is "
+                        "overwritten)")
     config.parse_config([gin_path], [])
     c = api.build_run_configs()
     family = next((f for f in FAMILIES.values() if f.TASK == c.task.name), None)
@@ -189,7 +191,13 @@ def export_hub(model_dir: str, out: str, checkpoint_prefix: str | None = None) -
         raise UserError(f"model {c.task.name!r} has no Hugging Face equivalent: export reads "
                         f"{', '.join(sorted({f.TASK for f in FAMILIES.values()}))}")
     path = export_lib.checkpoint_path(model_dir, checkpoint_prefix)
-    model = export_lib.single_device_model(c.task, c.model, path)
+    return c, family, path, export_lib.single_device_model(c.task, c.model, path, merge)
+
+
+def export_hub(model_dir: str, out: str, checkpoint_prefix: str | None = None) -> dict:
+    """A run's checkpoint (the newest, or `checkpoint_prefix`) -> a Hugging Face folder `out`
+    (a LoRA run's with its adapters merged)."""
+    c, family, path, model = exported_run(model_dir, out, "hf", checkpoint_prefix)
     values = {w.name.split(":")[0]: w for w in model.weights}
     params = family.params(c.model, family.EXPORT_ARCHITECTURE)
     tensors = ((p.hub, p.to_hub(*[values[n].numpy() for n in p.tfpod])) for p in params)
