@@ -3,6 +3,11 @@
     python bench/presets.py [--presets=data,tensor,2d,weight_update] [--mesh=PRESET=SPEC ...]
                             [--steps=2] [--global_batch=8] [--seq_len=128] [--num_layers=12]
                             [--precision=float32] [--max_rss_gib=0] [--verbose]
+                            [--lora_rank=0] [--lora_targets=attention] [--plan]
+
+With --lora_rank the model trains LoRA adapters on a frozen base (tfpod.lora): the
+frozen weights have no gradient and no optimizer slots; with --plan each preset's
+measured bytes stand beside the planner's (`main.py --mode=plan` for the same run).
 
 Each preset runs in its own process: a fresh TensorFlow runtime with 8 logical CPU
 devices, so the process's peak RSS (`ru_maxrss`) belongs to that preset alone. The
@@ -101,7 +106,7 @@ def measure(args) -> dict:
     from tfpod import runtime
 
     runtime.initialize(cpu_devices=args.cpu_devices, device_type="CPU")
-    from tfpod import api, controller, mesh as meshlib, optimizers, partitioning
+    from tfpod import api, controller, lora, mesh as meshlib, optimizers, partitioning
     from tfpod.models import gpt
 
     rss_runtime = _peak_rss_bytes()
@@ -119,13 +124,15 @@ def measure(args) -> dict:
     opt_cfg = optimizers.OptimizerConfig(learning_rate=6e-4, warmup_steps=0, beta_2=0.95)
 
     with tempfile.TemporaryDirectory() as model_dir:
-        run = api.controller(gpt.TASK, model_cfg, train_cfg, opt_cfg, placement, model_dir)
+        task = lora.adapt(gpt.TASK, lora.LoraConfig(rank=args.lora_rank, targets=tuple(args.lora_targets.split(","))))
+        run = api.controller(task, model_cfg, train_cfg, opt_cfg, placement, model_dir)
         t = run.trainer
-        params, by_kind = 0, {}
+        params, by_kind, grads = 0, {}, 0
         params_global = 0
         for s in t.specs:
             b = partitioning.bytes_per_device(s.shape, s.dtype, t.layouts[s.name])
             params += b
+            grads += b if s.trainable else 0  # a gradient has its weight's layout (frozen weights: none)
             by_kind[_kind(s.name)] = by_kind.get(_kind(s.name), 0) + b
             params_global += int(_prod(s.shape)) * s.dtype.size
         slots = copies = 0
@@ -142,6 +149,7 @@ def measure(args) -> dict:
             "gather_axis": placement.gather_axis,
             "param_bytes_per_device": params,
             "param_bytes_per_device_by_kind": by_kind,
+            "gradient_bytes_per_device": grads,
             "slot_bytes_per_device": slots,
             "working_copy_bytes_per_device": copies,
             "total_bytes_per_device": params + slots + copies,
@@ -226,7 +234,8 @@ def run_preset(preset: str, mesh: str, args) -> dict:
     """
     cmd = [sys.executable, os.path.abspath(__file__), "--worker", f"--preset={preset}", f"--worker_mesh={mesh}",
            f"--steps={args.steps}", f"--global_batch={args.global_batch}", f"--seq_len={args.seq_len}",
-           f"--num_layers={args.num_layers}", f"--precision={args.precision}", f"--cpu_devices={args.cpu_devices}"]
+           f"--num_layers={args.num_layers}", f"--precision={args.precision}", f"--cpu_devices={args.cpu_devices}",
+           f"--lora_rank={args.lora_rank}", f"--lora_targets={args.lora_targets}"]
     available = _available_bytes()
     cap = args.max_rss_gib * 2**30 if args.max_rss_gib else (0.8 * available if available else None)
     print(f"[presets] {preset} on {mesh} (RSS cap {cap / 2**30:.1f} GiB) ..." if cap else
@@ -265,22 +274,42 @@ def run_preset(preset: str, mesh: str, args) -> dict:
     return result
 
 
+def plan_bytes(preset: str, mesh: str, args) -> dict:
+    """The planner's per-device bytes (`main.py --mode=plan`, plan.json) for the same run."""
+    params = {"gpt.seq_len": args.seq_len, "gpt.num_layers": args.num_layers, "gpt.dropout": 0.0,
+              "train.global_batch_size": args.global_batch, "train.precision": f"'{args.precision}'",
+              "sharding.preset": f"'{preset}'", "lora.rank": args.lora_rank,
+              "lora.targets": repr(tuple(args.lora_targets.split(",")))}
+    with tempfile.TemporaryDirectory() as model_dir:
+        cmd = [sys.executable, "main.py", "--gin_file=gin/gpt_small.gin", "--mode=plan", f"--mesh={mesh}",
+               f"--model_dir={model_dir}", f"--cpu_devices={args.cpu_devices}",
+               *[f"--gin_param={k}={v}" for k, v in params.items()]]
+        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+        if proc.returncode:
+            return {"error": (proc.stderr.strip().splitlines() or ["plan failed"])[-1]}
+        with open(os.path.join(model_dir, "plan.json")) as f:
+            return json.load(f)["per_device_bytes"]
+
+
 def _mib(n: int) -> str:
     return f"{n / 2**20:,.1f}"
 
 
 def table(results: dict, args, ref_name: str | None) -> str:
     """A markdown table of the figures (MiB = 2^20 bytes)."""
-    head = ("preset", "mesh", "params/device (MiB)", "optimizer slots/device", "working copies/device",
-            "total/device", "total, all devices", "peak RSS (GiB)", "step time (s)", "tokens/s", "final loss",
-            f"loss = {ref_name or 'data'}'s")
+    head = ("preset", "mesh", "params/device (MiB)", "gradients/device", "optimizer slots/device",
+            "working copies/device", "total/device", "total, all devices", "planned weights / gradients / optimizer",
+            "peak RSS (GiB)", "step time (s)", "tokens/s", "final loss", f"loss = {ref_name or 'data'}'s")
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     failures = []
     for name, r in results.items():
         has_memory = "param_bytes_per_device" in r
         mem = [_mib(r[k]) if has_memory else "-" for k in (
-            "param_bytes_per_device", "slot_bytes_per_device", "working_copy_bytes_per_device",
-            "total_bytes_per_device", "total_bytes_all_devices")]
+            "param_bytes_per_device", "gradient_bytes_per_device", "slot_bytes_per_device",
+            "working_copy_bytes_per_device", "total_bytes_per_device", "total_bytes_all_devices")]
+        plan = r.get("plan_bytes_per_device", {})
+        mem.append(" / ".join(_mib(plan[k]) for k in ("weights", "gradients", "optimizer")) if "weights" in plan
+                   else plan.get("error", "-"))
         rss = f"{r['peak_rss_bytes'] / 2**30:.2f}" if r.get("peak_rss_bytes") else "-"
         if "error" in r and r.get("peak_rss_bytes"):
             rss = "> " + rss  # stopped before its peak
@@ -295,6 +324,7 @@ def table(results: dict, args, ref_name: str | None) -> str:
     note = (f"gpt_small ({args.num_layers} layers, 768 wide, 12 heads, mlp 3072, vocab 50304), seq_len "
             f"{args.seq_len}" + (" (the full shape has 1024: the position table shrinks to "
                                  f"{args.seq_len} x 768)" if args.seq_len != 1024 else "")
+            + (f"; LoRA rank {args.lora_rank} on {args.lora_targets}" if args.lora_rank else "")
             + f", global batch {args.global_batch}, {args.precision}, AdamW; {args.cpu_devices} logical CPU devices "
             f"on {os.cpu_count()} cores; step time: mean of {args.steps} steps after the compiling one. "
             "Memory in MiB from the layouts; peak RSS is the whole process (all devices share host memory).")
@@ -320,6 +350,9 @@ def main() -> None:
                         help="stop a preset process whose RSS passes this many GiB "
                              "(0: 80%% of the memory available at its start)")
     parser.add_argument("--verbose", action="store_true", help="show each preset process's log")
+    parser.add_argument("--lora_rank", type=int, default=0, help="LoRA adapters of this rank (tfpod.lora; 0: none)")
+    parser.add_argument("--lora_targets", default="attention", help="lora.targets, comma-separated")
+    parser.add_argument("--plan", action="store_true", help="the planner's per-device bytes beside each preset's")
     args = parser.parse_args()
 
     if args.worker:
@@ -350,6 +383,9 @@ def main() -> None:
         raise SystemExit("error: --steps, --global_batch, --seq_len and --num_layers must be at least 1")
 
     results = {p: run_preset(p, meshes[p], args) for p in presets}
+    if args.plan:
+        for p in presets:
+            results[p]["plan_bytes_per_device"] = plan_bytes(p, meshes[p], args)
     # Every preset trains the same model from the same seed on the same batches: the
     # per-step losses agree up to reduction order. The reference is `data` (the next
     # preset that trained when `data` did not).
@@ -367,6 +403,7 @@ def main() -> None:
     print(json.dumps({
         "model": "gpt_small", "devices": args.cpu_devices, "seq_len": args.seq_len, "global_batch": args.global_batch,
         "num_layers": args.num_layers, "precision": args.precision, "timed_steps": args.steps,
+        "lora_rank": args.lora_rank, "lora_targets": args.lora_targets if args.lora_rank else None,
         "cores": os.cpu_count(), "loss_reference": ref_name, "presets": results,
     }))
     if any("error" in r for r in results.values()):

@@ -248,3 +248,44 @@ def peft_merge(base_hub, adapters) -> dict:
         tensors[module + ".weight"] = tensors[module + ".weight"] + (delta.T if cfg["fan_in_fan_out"] else delta)
     return tensors
 
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("name,shared", [("gpt", False), ("gpt", True), ("llama", True)])
+def test_peft_adapters_merge_into_the_hub_tensors_of_the_merged_model(name, shared):
+    """For every Hub tensor of the family (GPT-2's fused c_attn, Llama's q/k/v/o and MLP):
+    the base's tensor + (alpha / r) B @ A of the PEFT adapters (transposed for fan_in_fan_out)
+    is the merged model's tensor. With shared_qkv, key and value use the query's lora_a (one
+    variable), and GPT-2's c_attn adapter has rank r, not 3 r."""
+    from tfpod.convert import gpt2, llama as llama_hub, peft
+
+    task, cfg = SMALL[name]
+    config = lora.LoraConfig(rank=4, alpha=8.0, targets=("attention", "mlp"), shared_qkv=shared)
+    model = export.built(lora.adapt(task, config), cfg)
+    layers = {n: (a, b) for n, (a, b) in lora.adapters_of(model).items()}
+    query = [n for n in layers if n.endswith("self_attention/query/kernel")][0]
+    key = query.replace("/query/", "/key/")
+    assert (layers[query][0] is layers[key][0]) == shared
+    assert len({id(a) for a, _ in layers.values()}) == len(layers) - (2 * cfg.num_layers if shared else 0)
+    for i, v in enumerate(model.trainable_variables):
+        v.assign(tf.random.stateless_normal(v.shape, [i, 1]) * 0.1)
+    merged = lora.merged(model, export.built(task, cfg), config)
+    values = {v.name.split(":")[0]: v.numpy() for v in model.weights}
+    after = {v.name.split(":")[0]: v.numpy() for v in merged.weights}
+    adapters = {k: (a.numpy(), b.numpy(), a.name) for k, (a, b) in layers.items()}
+    family = gpt2 if name == "gpt" else llama_hub
+    checked = 0
+    for param in family.params(cfg, family.EXPORT_ARCHITECTURE):
+        found = peft.module_adapters(param, values, adapters, config.rank)
+        want = param.to_hub(*[after[n] for n in param.tfpod])
+        if found is None:
+            np.testing.assert_array_equal(want, param.to_hub(*[values[n] for n in param.tfpod]))
+            continue
+        a, b, fan_in_fan_out = found
+        delta = b @ a * config.scale
+        got = param.to_hub(*[values[n] for n in param.tfpod]) + (delta.T if fan_in_fan_out else delta)
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6, err_msg=param.hub)
+        if param.hub.endswith("c_attn.weight"):
+            assert a.shape[0] == (4 if shared else 12) and fan_in_fan_out
+        checked += 1
+    assert checked == cfg.num_layers * (4 if name == "gpt" else 7)

@@ -60,6 +60,9 @@ class LoraConfig:
         matching whole kernel names (as sharding rules do, see layouts.txt).
       trainable: regexes of other variables that keep training (e.g. the norms, a new
         head); every variable neither an adapter nor matched here is frozen.
+      shared_qkv: key and value use the query's lora_a (and its dropout mask), each its
+        own lora_b: the adapter of one fused qkv projection (a qkv_proj target, as MLPerf's
+        Llama 2 70B LoRA reference has), with rank r for the three.
     """
 
     rank: int = 0
@@ -67,6 +70,7 @@ class LoraConfig:
     dropout: float = 0.0
     targets: tuple = ("attention",)
     trainable: tuple = ()
+    shared_qkv: bool = False
 
     def __post_init__(self):
         if self.rank < 0:
@@ -152,8 +156,9 @@ def _einsum(x_rank: int, k: int, out_rank: int) -> tuple[str, str]:
     return f"{lead}{contracted},{contracted}r->{lead}r", f"{lead}r,r{out}->{lead}{out}"
 
 
-def install(layer, config: LoraConfig) -> None:
-    """Gives a built linear layer its adapter weights and makes its call add their output."""
+def install(layer, config: LoraConfig, shared=None) -> None:
+    """Gives a built linear layer its adapter weights and makes its call add their output;
+    with `shared` (a layer that has them), that layer's lora_a and dropout."""
     kernel = layer.kernel
     k = input_dims(layer)
     name = var_name(kernel)
@@ -168,10 +173,13 @@ def install(layer, config: LoraConfig) -> None:
     shape = kernel.shape.as_list()
     fan_in = math.prod(shape[:k])
     bound = 1.0 / math.sqrt(fan_in)
-    layer.lora_a = layer.add_weight(
-        "lora_a", shape[:k] + [config.rank], initializer=tf_keras.initializers.RandomUniform(-bound, bound))
+    if shared is not None:
+        layer.lora_a, layer.lora_dropout = shared.lora_a, shared.lora_dropout
+    else:
+        layer.lora_a = layer.add_weight(
+            "lora_a", shape[:k] + [config.rank], initializer=tf_keras.initializers.RandomUniform(-bound, bound))
+        layer.lora_dropout = tf_keras.layers.Dropout(config.dropout, name="lora_dropout") if config.dropout else None
     layer.lora_b = layer.add_weight("lora_b", [config.rank] + shape[k:], initializer="zeros")
-    layer.lora_dropout = tf_keras.layers.Dropout(config.dropout, name="lora_dropout") if config.dropout else None
     call = layer.call
     scale = config.scale
 
@@ -225,13 +233,24 @@ def adapting_build(build, config: LoraConfig):
         call = model.call
         found = []
 
+        installed = {}  # kernel name -> its layer
+
         def on_build(layer, inputs, build_layer):
             result = build_layer(inputs)
             kernel = getattr(layer, "kernel", None)
             if isinstance(kernel, tf.Variable) and any(p.fullmatch(var_name(kernel)) for p in patterns):
+                name = var_name(kernel)
+                shared = None
+                if config.shared_qkv and re.search(r"/(key|value)/kernel$", name):
+                    query = re.sub(r"/(key|value)/kernel$", "/query/kernel", name)
+                    if query not in installed:
+                        raise UserError(f"{NAME}.shared_qkv: {name} has an adapter but {query} has none to share: "
+                                        "target query, key and value together (lora.targets includes 'attention')")
+                    shared = installed[query]
                 with tf.init_scope():  # as Keras builds a layer: variables made eagerly
-                    install(layer, config)
-                found.append(var_name(kernel))
+                    install(layer, config, shared)
+                installed[name] = layer
+                found.append(name)
             return result
 
         def first_call(*args, **kwargs):
@@ -272,15 +291,23 @@ def merged(model, plain, config: LoraConfig):
       plain.
     """
     values = {var_name(v): v for v in model.variables}
+    adapters = adapters_of(model)
     for v in plain.variables:
         name = var_name(v)
         value = values[name].read_value()
-        stem = name[: -len("kernel")] if name.endswith("/kernel") else None
-        if stem is not None and stem + "lora_a" in values:
-            delta = tf.tensordot(values[stem + "lora_a"].read_value(), values[stem + "lora_b"].read_value(), axes=1)
+        if name in adapters:
+            a, b = adapters[name]
+            delta = tf.tensordot(a.read_value(), b.read_value(), axes=1)
             value = value + tf.cast(config.scale, value.dtype) * tf.cast(delta, value.dtype)
         v.assign(value)
     return plain
+
+
+def adapters_of(model) -> dict:
+    """{kernel name: (its lora_a, its lora_b)} of an adapted model (a shared lora_a appears
+    under each kernel that uses it)."""
+    return {var_name(layer.kernel): (layer.lora_a, layer.lora_b) for layer in compat.flatten_layers(model)
+            if hasattr(layer, "lora_b")}
 
 
 def is_adapter_key(key: str) -> bool:

@@ -7,8 +7,9 @@ PEFT's LoRA on a module with weight W_hub: W_hub + (lora_alpha / r) * B @ A, whe
 A tfpod adapter pair on a kernel [*in, *out] (tfpod.lora) is lora_a [*in, r] and lora_b
 [r, *out], so A = lora_a flattened to [in, r] and transposed, B = lora_b flattened to
 [r, out] and transposed. A Hub tensor that fuses several tfpod kernels (GPT-2's c_attn:
-query, key, value) gets one adapter of rank n * r (the parts' A stacked, their B on the
-diagonal) and alpha n * alpha, the same scale, in PEFT's rank_pattern / alpha_pattern.
+query, key, value) gets one adapter: of rank r when they share one lora_a
+(lora.shared_qkv: their B stacked), else of rank n * r (the parts' A stacked, their B on
+the diagonal) with alpha n * alpha, the same scale, in PEFT's rank_pattern / alpha_pattern.
 Every module's PEFT update is checked against the family's own kernel -> Hub conversion
 before anything is written.
 
@@ -33,28 +34,32 @@ CONFIG = "adapter_config.json"
 TASK_TYPES = {"gpt": "CAUSAL_LM", "llama": "CAUSAL_LM"}  # (BERT: PEFT's generic model)
 
 
-def module_adapters(param, values: dict, rank: int) -> tuple[np.ndarray, np.ndarray, bool] | None:
+def module_adapters(param, values: dict, adapters: dict, rank: int) -> tuple[np.ndarray, np.ndarray, bool] | None:
     """PEFT's (lora_A [n r, in], lora_B [out, n r], fan_in_fan_out) of one Hub tensor from the
-    adapters on the tfpod kernels it holds (None: it has none).
+    adapters on the tfpod kernels it holds (None: it has none). `adapters`: {kernel name:
+    (lora_a array, lora_b array, the lora_a variable's name)}; kernels sharing one lora_a
+    (lora.shared_qkv) give one rank-r adapter.
 
     Raises:
       UserError: the family's conversion of the kernels is not PEFT's update of this form.
     """
     kernels = list(param.tfpod)
-    stems = [n[: -len("kernel")] if n.endswith("/kernel") else None for n in kernels]
-    if not any(s is not None and s + "lora_a" in values for s in stems):
+    if not any(k in adapters for k in kernels):
         return None
-    if None in stems:
+    if not all(k.endswith("/kernel") for k in kernels):
         raise UserError(f"{param.hub} holds adapted kernels and other variables together: PEFT cannot express it")
-    flat = {k: (values[s + "lora_a"].reshape(-1, rank), values[s + "lora_b"].reshape(rank, -1))
-            for k, s in zip(kernels, stems) if s + "lora_a" in values}  # [in, r], [r, out]
+    flat = {k: (adapters[k][0].reshape(-1, rank), adapters[k][1].reshape(rank, -1)) for k in kernels
+            if k in adapters}  # [in, r], [r, out]
     in_features = next(iter(flat.values()))[0].shape[0]
     outs = [values[k].size // in_features for k in kernels]
     adapted = [i for i, k in enumerate(kernels) if k in flat]
-    lora_a = np.concatenate([flat[kernels[i]][0].T for i in adapted], axis=0)  # [n r, in]
-    lora_b = np.zeros([sum(outs), rank * len(adapted)], lora_a.dtype)  # [out, n r]: the parts on the diagonal
-    for j, i in enumerate(adapted):
-        lora_b[sum(outs[:i]):sum(outs[:i + 1]), j * rank:(j + 1) * rank] = flat[kernels[i]][1].T
+    shared = len({adapters[kernels[i]][2] for i in adapted}) == 1
+    groups = [adapted] if shared else [[i] for i in adapted]  # the kernels of each A
+    lora_a = np.concatenate([flat[kernels[g[0]]][0].T for g in groups], axis=0)  # [n r, in]
+    lora_b = np.zeros([sum(outs), rank * len(groups)], lora_a.dtype)  # [out, n r]: each A's kernels' B
+    for j, g in enumerate(groups):
+        for i in g:
+            lora_b[sum(outs[:i]):sum(outs[:i + 1]), j * rank:(j + 1) * rank] = flat[kernels[i]][1].T
     # the check: the family's own conversion of each kernel's update is B @ A (or its transpose)
     deltas = [(flat[k][0] @ flat[k][1]).reshape(values[k].shape) if k in flat else np.zeros_like(values[k])
               for k in kernels]
@@ -83,9 +88,10 @@ def export_peft(model_dir: str, out: str, checkpoint_prefix: str | None = None) 
         raise UserError(f"lora.trainable={config.trainable!r} trained weights besides the adapters, which PEFT's "
                         "adapter file does not hold: export the merged folder with --hf instead")
     values = {v.name.split(":")[0]: v.numpy() for v in model.weights}
+    adapters = {k: (a.numpy(), b.numpy(), a.name) for k, (a, b) in lora.adapters_of(model).items()}
     tensors, ranks, alphas, fan = [], {}, {}, set()
     for param in family.params(c.model, family.EXPORT_ARCHITECTURE):
-        found = module_adapters(param, values, config.rank)
+        found = module_adapters(param, values, adapters, config.rank)
         if found is None:
             continue
         lora_a, lora_b, fan_in_fan_out = found

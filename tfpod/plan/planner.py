@@ -86,6 +86,7 @@ class Planner:
             raise UserError(f"model {task.name!r} has no plan profile (Task.plan_profile): the planner cannot "
                             "predict its activations")
         self.parameters = sum(math.prod(s.shape) for s in self.specs if s.trainable)
+        self.frozen = sum(math.prod(s.shape) for s in self.specs if not s.trainable)  # (LoRA's base, BN's statistics)
         tokens = task.tokens_per_example(model_config)
         self.tokens_per_example = tokens or 1
         self.flops_per_example = task.flops_per_token(model_config) * (tokens or 1)
@@ -176,7 +177,7 @@ class Planner:
             "pipeline_schedule": sharding.pipeline_schedule if num_stages > 1 else None,
             "precision": train.precision, "global_batch": global_batch, "tokens_per_step": tokens,
             "device": device.name, "num_devices": self.num_devices, "devices_per_host": self.devices_per_host,
-            "num_hosts": self.num_hosts, "parameters": self.parameters,
+            "num_hosts": self.num_hosts, "parameters": self.parameters, "frozen_parameters": self.frozen,
             "per_device_bytes": per_device, "device_memory": int(device.memory_bytes),
             "memory_margin": MEMORY_MARGIN, "fits": bool(fits),
             "step_time_s": step, "tokens_per_sec": tokens / step, "examples_per_sec": global_batch / step,
@@ -199,7 +200,9 @@ def summary(plan: Mapping, top: list | None = None) -> str:
                                                                   f"({plan['pipeline_schedule']})"
                                                                   if plan["stages"] > 1 else ""))
     lines = [
-        f"plan: {plan['model']} ({plan['parameters']:,} parameters) on {plan['num_devices']} x {plan['device']} "
+        f"plan: {plan['model']} ({plan['parameters']:,} parameters"
+        + (f" trained, {plan['frozen_parameters']:,} not" if plan.get("frozen_parameters") else "")
+        + f") on {plan['num_devices']} x {plan['device']} "
         f"({plan['num_hosts']} host(s) of {plan['devices_per_host']}); mesh {plan['mesh']}, preset {plan['preset']}"
         + (f", {', '.join(switches)}" if switches else "") + f"; {plan['precision']}; global batch "
         f"{plan['global_batch']}",
