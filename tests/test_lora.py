@@ -35,18 +35,19 @@ def on_host(v) -> np.ndarray:
         layout.mesh, layout.rank)))[0].numpy()
 
 
-def lora_run(name, mesh, model_dir, steps=6, adapters=ADAPTERS, **train):
+def lora_run(name, mesh, model_dir, steps=6, adapters=ADAPTERS, preset="tensor", **train):
     task, cfg = SMALL[name]
     train_config = TrainConfig(**{**dict(steps=steps, global_batch_size=8, steps_per_loop=2, log_every=1,
                                          checkpoint_every=2, synthetic_data=True, seed=1), **train})
     opt = optimizers.OptimizerConfig(learning_rate=5e-2, warmup_steps=0, decay_steps=8)
-    return make_run(lora.adapt(task, adapters), cfg, train_config, opt, mesh, model_dir, preset="tensor")
+    return make_run(lora.adapt(task, adapters), cfg, train_config, opt, mesh, model_dir, preset=preset)
 
 
-@pytest.mark.parametrize("name", sorted(SMALL))
-def test_adapters_train_sharded_as_on_one_device_and_leave_every_base_weight_as_it_was(name, tmp_path):
+@pytest.mark.parametrize("name,preset", [("bert", "tensor"), ("gpt", "tensor"), ("gpt", "2d"), ("llama", "tensor")])
+def test_adapters_train_sharded_as_on_one_device_and_leave_every_base_weight_as_it_was(name, preset, tmp_path):
     """GPT, Llama, BERT with adapters on attention and MLP (rank 4; no dropout, whose masks are
-    drawn per device and so differ between meshes), `tensor` on
+    drawn per device and so differ between meshes), `tensor` (and GPT `2d`: frozen weights
+    stored split over `data` and gathered where used, as trainable ones) on
     data:4,model:2 and on one device: the same losses (relative 1e-4, as every preset's test:
     sums over shards round differently); only the adapters
     train (the loss falls on a batch seen again and again) and have optimizer state; every base
@@ -54,7 +55,7 @@ def test_adapters_train_sharded_as_on_one_device_and_leave_every_base_weight_as_
     results = {}
     for mesh in ("data:4,model:2", "data:1,model:1"):
         controller = lora_run(name, device_mesh(mesh), tmp_path / mesh.replace(",", "_"),
-                              adapters=dataclasses.replace(ADAPTERS, dropout=0.0))
+                              adapters=dataclasses.replace(ADAPTERS, dropout=0.0), preset=preset)
         model = controller.trainer.model
         trainable = {v.name for v in model.trainable_variables}
         assert trainable and all(re.search(r"/lora_[ab]:0$", n) for n in trainable)

@@ -161,7 +161,9 @@ class Trainer:
             self.model, self.specs, self.layouts = partitioning.build_sharded(
                 lambda: task.build(model_config), task.input_signature(model_config), placement.mesh,
                 task.axis_rules, placement.table, placement.stages, stage_of)
-        self.gathered = partitioning.gather_when_used(self.model.trainable_variables, placement.gather_axis)
+        # (the weights layers read gathered: the trainable ones, and with LoRA the base it froze too)
+        weights = self.model.trainable_variables if task.lora is None else self.model.variables
+        self.gathered = partitioning.gather_when_used(weights, placement.gather_axis)
         self.optimizer = optimizers.build_optimizer(optimizer_config, total_steps)
         self.update = optimizers.Update(self.optimizer, self.model.trainable_variables, placement.mesh,
                                         placement.update_axis)
