@@ -6,6 +6,7 @@ import json
 import os
 import re
 
+import gin
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -181,6 +182,7 @@ def test_lora_from_a_base_run_resumes_exactly_refuses_another_base_and_exports_m
 
     configlib.parse_config([str(straight / "config.gin")], [])
     task, cfg, _ = configlib.build_task_configs()
+    gin.clear_config()  # (no binding left for the next test in this process)
     unmerged = export.built(task, cfg)
     from tfpod.checkpoint import read_weights
     from tfpod.train_state import TrainState
@@ -290,3 +292,25 @@ def test_peft_adapters_merge_into_the_hub_tensors_of_the_merged_model(name, shar
             assert a.shape[0] == (4 if shared else 12) and fan_in_fan_out
         checked += 1
     assert checked == cfg.num_layers * (4 if name == "gpt" else 7)
+
+
+@pytest.mark.unit
+def test_the_mlperf_llama2_70b_lora_recipe_is_the_references():
+    """gin/llama2_70b_lora.gin builds the reference's run (mlcommons/training llama2_70b_lora/
+    run_llama_70B_scrolls_r16.sh): the model, LoRA r16 / alpha 32 / dropout 0.1 on fused qkv
+    and o_proj, batch 8 of 8,192 tokens, AdamW 4e-4 cosine, clip 0.3, target eval loss 0.925;
+    its trained parameters are the reference's 557,056 a layer."""
+    from tfpod import api, config, partitioning
+
+    config.parse_config(["gin/llama2_70b_lora.gin"], ["llama.num_layers=2"])  # two of its 80 blocks
+    c = api.build_run_configs()
+    assert c.lora == lora.LoraConfig(rank=16, alpha=32.0, dropout=0.1, targets=("attention",), shared_qkv=True)
+    assert (c.model.embed_dim, c.model.num_heads, c.model.num_kv_heads, c.model.mlp_dim, c.model.vocab_size,
+            c.model.seq_len) == (8192, 64, 8, 28672, 32000, 8192)
+    assert (c.train.global_batch_size, c.train.steps, c.train.eval_every, c.train.target_value) == (8, 1024, 48, 0.925)
+    o = c.optimizer
+    assert (o.learning_rate, o.warmup_steps, o.decay, o.weight_decay, o.clip_norm, o.beta_2) == (
+        4e-4, 0, "cosine", 1e-4, 0.3, 0.999)
+    specs = partitioning.variable_specs(lambda: c.task.build(c.model), c.task.input_signature(c.model))
+    assert sum(np.prod(s.shape) for s in specs if s.trainable) == 2 * 557_056
+    gin.clear_config()  # (no binding left for the next test in this process)
