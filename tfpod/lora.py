@@ -166,8 +166,7 @@ def install(layer, config: LoraConfig, shared=None) -> None:
         raise UserError(f"{NAME}.targets matches {name}, a weight of a {type(layer).__name__} layer: adapters go on "
                         "linear layers (tfpod's Projection, Keras Dense or EinsumDense); narrow lora.targets")
     activation = getattr(layer, "activation", None)
-    if activation is not None and activation not in (tf_keras.activations.linear, None) and \
-            getattr(activation, "__name__", "") != "linear":
+    if activation is not None and getattr(activation, "__name__", None) != "linear":
         raise UserError(f"{NAME}.targets matches {name}, whose layer applies an activation: an adapter adds to a "
                         "linear output; narrow lora.targets")
     shape = kernel.shape.as_list()
@@ -191,7 +190,6 @@ def install(layer, config: LoraConfig, shared=None) -> None:
         return y + tf.cast(scale, y.dtype) * tf.cast(delta, y.dtype)
 
     layer.call = adapted_call
-    layer.lora_base_call = call
 
 
 def freeze(model, config: LoraConfig) -> None:
