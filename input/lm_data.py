@@ -33,13 +33,13 @@ import tensorflow as tf
 
 from tfpod import UserError
 from tfpod.input import files as files_lib
-from tfpod.input import prepare, records, text
+from tfpod.input import prepare, records, rows, text
 from tfpod.input.common import (DataConfig, ShardInfo, TaskInput, check_text_files, corrupt_finder, file_identity,
                                 first_example, host_shard, stream_source)
 
 log = logging.getLogger("tfpod")
 
-FORMATS = ("auto", "tfrecord", "text", "ids")
+FORMATS = ("auto", "tfrecord", "text", "ids", "rows")
 PACKINGS = ("concat", "segments")
 
 
@@ -54,9 +54,12 @@ class LMDataConfig(DataConfig):
       format: tfrecord (tf.train.Example with a bytes feature `text_feature`), text
         (each file is one document), auto (by extension: .tfrecord* is tfrecord), or ids
         (pre-tokenized: tf.train.Example with an int64 list feature `ids_feature`, one
-        document per record; no vocabulary, no default corpus: set train_files and eos_id).
+        document per record; no vocabulary, no default corpus: set train_files and eos_id),
+        or rows (rows packed to seq_len with per-token labels, -100 where no loss is taken:
+        what a Hugging Face Trainer reads, e.g. MLPerf's GovReport; tfpod.input.rows).
       text_feature: the TFRecord feature holding the document.
-      ids_feature: the TFRecord feature holding a document's token ids (format ids).
+      ids_feature: the TFRecord feature holding a document's token ids (format ids, rows).
+      labels_feature: the TFRecord feature holding a row's labels (format rows).
       eos_id: the id appended to every document (the boundary the LM learns; GPT-2's
         <|endoftext|> is 50256); None: the prepared vocabulary's EOS (3). Format ids needs it.
       bos_id: the id put before every document and every served prompt, as the model's
@@ -82,6 +85,7 @@ class LMDataConfig(DataConfig):
     format: str = "auto"
     text_feature: str = "text"
     ids_feature: str = "ids"
+    labels_feature: str = "labels"
     eos_id: int | None = None
     bos_id: int | None = None
     append_eos: bool = True
@@ -102,9 +106,9 @@ class LMDataConfig(DataConfig):
             raise UserError(f"lm_data.eos_id={self.eos_id} must be a token id >= 0 (or None: the prepared EOS)")
         if self.bos_id is not None and self.bos_id < 0:
             raise UserError(f"lm_data.bos_id={self.bos_id} must be a token id >= 0 (or None: no BOS)")
-        if self.format == "ids" and self.eos_id is None:
-            raise UserError("lm_data.format='ids' needs lm_data.eos_id, the document boundary id of the tokenizer "
-                            "that wrote the ids: set it (GPT-2: 50256)")
+        if self.format in ("ids", "rows") and self.eos_id is None:
+            raise UserError(f"lm_data.format={self.format!r} needs lm_data.eos_id, the document boundary id of the "
+                            "tokenizer that wrote the ids: set it (GPT-2: 50256, Llama 2: 2)")
 
     @property
     def eos(self) -> int:
@@ -133,10 +137,11 @@ class Resolved:
 
 def resolve(cfg: LMDataConfig) -> Resolved:
     """Prepares the default corpus when it is used (cached; never for format ids)."""
-    if cfg.format == "ids":
+    if cfg.format in ("ids", "rows"):
         if cfg.train_files is None:
-            raise UserError("lm_data.format='ids' reads pre-tokenized TFRecords and has no default corpus: set "
-                            "lm_data.train_files (write them with tfpod.input.lm_data.write_ids_records)")
+            raise UserError(f"lm_data.format={cfg.format!r} reads pre-tokenized TFRecords and has no default corpus: "
+                            "set lm_data.train_files (write them with tfpod.input.lm_data.write_ids_records, or "
+                            "tfpod.input.rows from parquet)")
         return Resolved(cfg.train_files, cfg.eval_files, None)
     data_dir = None
     if cfg.train_files is not None and cfg.vocab_path is None:
@@ -340,6 +345,14 @@ def lm_dataset(cfg: LMDataConfig, pattern: str, vocab_path: str | None, seq_len:
             raise UserError(f"lm_data.{name}={token} is not below {model}.vocab_size={model_vocab_size}: set "
                             f"lm_data.{name} to the tokenizer's id, or {model}.vocab_size to its vocabulary's size")
     plan = host_shard(pattern, shard, seed)
+    if cfg.format == "rows":  # packed already: no framing or packing
+        if model_vocab_size is None:
+            raise UserError("lm_data.format='rows' checks every id against the model's vocabulary: pass "
+                            "lm_dataset its model_vocab_size")
+        ds = rows.labeled_rows(plan, cfg, seed, repeat, seq_len, model_vocab_size, model)
+        ds = records.shuffled(ds, cfg.shuffle_buffer, seed) if repeat else records.host_share(
+            ds, cfg.max_eval_examples, shard)
+        return records.batched(ds, host_rows, repeat)
     if cfg.format == "ids":
         if model_vocab_size is None:
             raise UserError("lm_data.format='ids' checks every id against the model's vocabulary: pass "

@@ -135,7 +135,7 @@ def serving(model, config, data_config, whole_sequences: bool = False) -> tuple[
     ids = ids_signature.get_concrete_function()
     eos = data_config.eos  # the run's end-of-document id: generation stops there
     tokenizer = None
-    if data_config.format != "ids":  # else pre-tokenized data: no vocabulary to tokenize with
+    if data_config.format not in ("ids", "rows"):  # else pre-tokenized data: no vocabulary to tokenize with
         from tfpod.input import text as text_lib
 
         tokenizer = module.tokenizer = text_lib.load_tokenizer(lm_data.resolve(data_config).vocab_path)

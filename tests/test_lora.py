@@ -314,3 +314,127 @@ def test_the_mlperf_llama2_70b_lora_recipe_is_the_references():
     specs = partitioning.variable_specs(lambda: c.task.build(c.model), c.task.input_signature(c.model))
     assert sum(np.prod(s.shape) for s in specs if s.trainable) == 2 * 557_056
     gin.clear_config()  # (no binding left for the next test in this process)
+
+
+def test_govreport_rows_from_parquet_are_read_as_the_trainer_scores_them(tmp_path):
+    """GovReport as MLPerf's LoRA reference prepares it (scripts/utils.py create_datasets): each
+    example "### Summarize the following text:\\n {input}\\n ### Summary:\\n {output}" + EOS,
+    tokenized (here with the default corpus's SentencePiece model), packed into rows
+    (group_texts; rows of 32 here, 8,192 there); training labels are the ids, eval labels -100
+    over each prompt and its last token; written as parquet by pyarrow (what `datasets` writes).
+    `python -m tfpod.input.rows` converts them; lm_data.format='rows' reads rows whose inputs
+    are the ids, targets[t] = labels[t + 1] and weights 1 exactly where the Trainer scores."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from conftest import run_module
+    from tfpod.input import lm_data, rows as rows_lib, text
+    from tfpod.input.common import ShardInfo
+
+    tokenizer = text.load_tokenizer(lm_data.resolve(lm_data.LMDataConfig()).vocab_path)
+    eos, length = 3, 32
+    reports = [("The agency spent funds on roads. " * 3, "Funds went to roads."),
+               ("Auditors found gaps in records. " * 2, "Records had gaps."),
+               ("The program served veterans in rural areas. " * 3, "Veterans were served.")]
+
+    def tokens(s):
+        return tokenizer.tokenize(s).numpy().tolist()
+
+    def group(column):  # the reference's group_texts: concatenate, cut rows, drop the rest
+        flat = [t for example in column for t in example]
+        return [flat[i:i + length] for i in range(0, len(flat) // length * length, length)]
+
+    ids, labels = [], []
+    for source, summary in reports:
+        prompt = tokens(f"### Summarize the following text:\n {source}\n ### Summary:\n")
+        full = tokens(f"### Summarize the following text:\n {source}\n ### Summary:\n {summary}") + [eos]
+        ids.append(full)
+        labels.append([-100] * len(prompt) + full[len(prompt):-1] + [-100])
+    train_ids = group(ids)
+    eval_ids, eval_labels = group(ids), group(labels)
+    examples = [{"input": source, "output": summary} for source, summary in reports]  # tfpod's rendering: the same
+    assert rows_lib.summary_rows(examples, tokens, eos, length, True) == (train_ids, train_ids)
+    assert rows_lib.summary_rows(examples, tokens, eos, length, False) == (eval_ids, eval_labels)
+    assert len(train_ids) >= 3 and any(-100 in r for r in eval_labels) and any(t != -100 for r in eval_labels for t in r)
+    data = tmp_path / "govreport"
+    data.mkdir()
+    pq.write_table(pa.table({"input_ids": train_ids}), data / "train-00000-of-00001.parquet")
+    pq.write_table(pa.table({"input_ids": eval_ids, "labels": eval_labels}), data / "validation-00000-of-00001.parquet")
+    for split, shards in (("train", 2), ("validation", 1)):
+        proc = run_module("tfpod.input.rows", f"--from={data}/{split}*.parquet", f"--out={tmp_path}/rows/{split}",
+                          f"--shards={shards}")
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        assert json.loads(proc.stdout.strip().splitlines()[-1])["length"] == length
+    cfg = lm_data.LMDataConfig(format="rows", eos_id=eos, train_files=f"{tmp_path}/rows/train*",
+                               eval_files=f"{tmp_path}/rows/validation*", shuffle_buffer=0)
+    read = lambda files, repeat, n: list(lm_data.lm_dataset(cfg, files, None, length, n, ShardInfo(0, 1), 0, 2048,
+                                                            repeat=repeat).take(1))[0]
+    batch = read(cfg.eval_files, False, len(eval_ids))
+    np.testing.assert_array_equal(batch["inputs"].numpy(), eval_ids)
+    want = np.concatenate([np.array(eval_labels)[:, 1:], np.full([len(eval_ids), 1], -100)], axis=1)
+    np.testing.assert_array_equal(batch["weights"].numpy(), (want != -100).astype(np.float32))
+    np.testing.assert_array_equal(batch["targets"].numpy(), np.where(want != -100, want, 0))
+    train = read(cfg.train_files, True, 2)
+    assert set(map(tuple, train["inputs"].numpy().tolist())) <= set(map(tuple, train_ids))
+    assert (train["weights"].numpy()[:, :-1] == 1).all() and (train["weights"].numpy()[:, -1] == 0).all()
+    with pytest.raises(UserError, match=r"rows in \S+ have 32 ids, not llama.seq_len=64: rows are packed"):
+        rows_lib.check_rows_file(f"{tmp_path}/rows/validation-00000-of-00001.tfrecord", cfg, 64, 2048, "llama")
+
+
+def stdlib_summaries(modules) -> list[dict]:
+    """{"input": a function's code without its docstring, "output": the docstring's first line}
+    of the documented functions of these stdlib modules."""
+    import ast
+    import importlib
+    import inspect
+
+    out = []
+    for name in modules:
+        tree = ast.parse(inspect.getsource(importlib.import_module(name)))
+        for node in ast.walk(tree):
+            doc = ast.get_docstring(node) if isinstance(node, ast.FunctionDef) else None
+            if doc and doc.strip():
+                node.body = node.body[1:] or [ast.Pass()]
+                out.append({"input": ast.unparse(node)[:400], "output": doc.strip().splitlines()[0]})
+    return out
+
+
+def test_tiny_lora_recipe_beats_its_untrained_adapters(tmp_path):
+    """gin/llama_lora_tiny.gin: the tiny Llama pretrained by gin/llama_tiny.gin (200 steps on
+    the default corpus), then adapters (attention with a fused qkv adapter, and MLP; rank 8)
+    trained to summarize stdlib functions into their docstrings' first lines (rows made as
+    MLPerf's reference makes GovReport's, scored on the summaries): the eval loss after 60
+    steps is below the base model's on the same eval rows (the adapters untrained: lora_b
+    zero) by more than 0.1 (6.08 against 6.42 here)."""
+    from tfpod.input import lm_data
+
+    examples = stdlib_summaries(["textwrap", "shlex", "string", "json.decoder", "json.encoder", "ast", "csv",
+                                 "argparse", "inspect", "difflib", "calendar", "fractions", "pathlib", "tarfile",
+                                 "zipfile", "email.utils"])
+    assert len(examples) > 200
+    data = tmp_path / "summaries"
+    data.mkdir()
+    vocab = lm_data.resolve(lm_data.LMDataConfig()).vocab_path
+    for split, part, flag in (("train", examples[40:], []), ("eval", examples[:40], ["--eval"])):
+        (data / f"{split}.jsonl").write_text("".join(json.dumps(e) + "\n" for e in part))
+        proc = run_module("tfpod.input.rows", f"--summaries={data / split}.jsonl", f"--vocab={vocab}", "--eos_id=3",
+                          "--length=64", f"--out={data}/rows/{split}", *flag)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+    one = ["--cpu_devices=1", "--mesh=data:1"]
+    base = tmp_path / "base"
+    proc = main_py("--gin_file=gin/llama_tiny.gin", *one, f"--model_dir={base}")  # its 200 steps
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = [f"--gin_param=lm_data.train_files='{data}/rows/train*'",
+            f"--gin_param=lm_data.eval_files='{data}/rows/eval*'"]
+    proc = main_py("--gin_file=gin/llama_lora_tiny.gin", *one, f"--model_dir={base}", "--mode=eval",
+                   "--gin_param=lora.rank=0", *rows)  # the base model on the eval rows
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    baseline = [json.loads(line) for line in open(base / "metrics.jsonl") if '"eval"' in line][-1]["loss"]
+    lora_dir = tmp_path / "lora"
+    proc = main_py("--gin_file=gin/llama_lora_tiny.gin", *one, f"--model_dir={lora_dir}", "--mode=train_and_eval",
+                   f"--gin_param=train.init_from='{base}'", *rows)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    evals = [json.loads(line) for line in open(lora_dir / "metrics.jsonl") if '"eval"' in line]
+    assert [e["step"] for e in evals] == [30, 60]
+    assert evals[-1]["loss"] < baseline - 0.1, (baseline, evals)
+
