@@ -109,21 +109,24 @@ def summary_rows(examples, tokenize, eos_id: int, length: int, scored_prompt: bo
 
 
 def parquet_rows(paths: list[str]):
-    """(ids, labels) int64 arrays of every row of the parquet files, in order."""
+    """(ids, labels) int64 arrays of every row of the parquet files, in order (read a record
+    batch at a time: an 8,192-token GovReport split never sits whole in memory)."""
     import pyarrow.parquet as pq
 
     for path in paths:
-        table = pq.read_table(path)
-        if "input_ids" not in table.column_names:
-            raise UserError(f"{path} has no input_ids column (columns: {', '.join(table.column_names)}): pass the "
-                            "parquet files of tokenized rows (Hugging Face datasets' to_parquet)")
-        ids = table.column("input_ids").to_pylist()
-        labels = table.column("labels").to_pylist() if "labels" in table.column_names else ids
-        for row_ids, row_labels in zip(ids, labels):
-            if len(row_ids) != len(row_labels):
-                raise UserError(f"{path}: a row has {len(row_ids)} input_ids and {len(row_labels)} labels: "
-                                "rows must pair one label with each id")
-            yield np.asarray(row_ids, np.int64), np.asarray(row_labels, np.int64)
+        names = pq.ParquetFile(path).schema_arrow.names
+        if "input_ids" not in names:
+            raise UserError(f"{path} has no input_ids column (columns: {', '.join(names)}): pass the parquet files "
+                            "of tokenized rows (Hugging Face datasets' to_parquet)")
+        columns = ["input_ids"] + (["labels"] if "labels" in names else [])
+        for batch in pq.ParquetFile(path).iter_batches(batch_size=256, columns=columns):
+            ids = batch.column("input_ids").to_pylist()
+            labels = batch.column("labels").to_pylist() if "labels" in columns else ids
+            for row_ids, row_labels in zip(ids, labels):
+                if len(row_ids) != len(row_labels):
+                    raise UserError(f"{path}: a row has {len(row_ids)} input_ids and {len(row_labels)} labels: "
+                                    "rows must pair one label with each id")
+                yield np.asarray(row_ids, np.int64), np.asarray(row_labels, np.int64)
 
 
 def convert(patterns: str, out: str, shards: int = 1) -> dict:
@@ -132,26 +135,33 @@ def convert(patterns: str, out: str, shards: int = 1) -> dict:
     paths = sorted({p for pattern in patterns.split(",") for p in glob.glob(pattern)})
     if not paths:
         raise UserError(f"--from={patterns} matches no file: pass the parquet files' glob(s)")
-    return write(list(parquet_rows(paths)), out, shards, f"--from={patterns}")
+    import pyarrow.parquet as pq
+
+    count = sum(pq.ParquetFile(p).metadata.num_rows for p in paths)
+    return write(parquet_rows(paths), count, out, shards, f"--from={patterns}")
 
 
-def write(rows: list, out: str, shards: int, source: str) -> dict:
-    """(ids, labels) rows -> `shards` TFRecord files `out-<i>-of-<n>.tfrecord` of contiguous rows."""
+def write(rows, count: int, out: str, shards: int, source: str) -> dict:
+    """`count` (ids, labels) rows (an iterable) -> `shards` TFRecord files
+    `out-<i>-of-<n>.tfrecord` of contiguous rows."""
     if shards < 1:
         raise UserError(f"--shards={shards} must be at least 1")
-    if not rows:
+    if not count:
         raise UserError(f"{source}: no rows (fewer tokens than one row?)")
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-    files, bounds = [], np.linspace(0, len(rows), shards + 1).astype(int)
+    files, bounds, rows = [], np.linspace(0, count, shards + 1).astype(int), iter(rows)
+    length = None
     for i in range(shards):
         path = f"{out}-{i:05d}-of-{shards:05d}.tfrecord"
         with tf.io.TFRecordWriter(path) as writer:
-            for ids, labels in rows[bounds[i]:bounds[i + 1]]:
+            for _ in range(bounds[i + 1] - bounds[i]):
+                ids, labels = next(rows)
+                length = length or len(ids)
                 feature = {"ids": tf.train.Feature(int64_list=tf.train.Int64List(value=ids)),
                            "labels": tf.train.Feature(int64_list=tf.train.Int64List(value=labels))}
                 writer.write(tf.train.Example(features=tf.train.Features(feature=feature)).SerializeToString())
         files.append(path)
-    return {"rows": len(rows), "files": files, "length": int(len(rows[0][0]))}
+    return {"rows": count, "files": files, "length": int(length)}
 
 
 def main(argv=None) -> None:
@@ -182,8 +192,7 @@ def main(argv=None) -> None:
         with open(args.summaries) as f:
             examples = [json.loads(line) for line in f if line.strip()]
         ids, labels = summary_rows(examples, tokenize, args.eos_id, args.length, not args.eval, args.bos_id)
-        print(json.dumps(write([(np.array(i), np.array(l)) for i, l in zip(ids, labels)], args.out, args.shards,
-                               f"--summaries={args.summaries}")))
+        print(json.dumps(write(zip(ids, labels), len(ids), args.out, args.shards, f"--summaries={args.summaries}")))
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(1)

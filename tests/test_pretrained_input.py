@@ -171,10 +171,11 @@ def test_ids_out_of_range_or_misconfigured_are_one_line_errors(tmp_path):
                                    32, repeat=False)) == [{"inputs": [1, 2], "targets": [2, EOS], "weights": [1, 1]}]
     with pytest.raises(UserError, match=r"lm_data.eos_id=50256 is not below gpt.vocab_size=32"):
         lm_data.lm_dataset(ids_config(named, eos_id=50256), named, None, 4, 2, ShardInfo(0, 1), 0, 32)
-    with pytest.raises(UserError, match=r"lm_data.format='ids' needs lm_data.eos_id, .*: set it \(GPT-2: 50256\)"):
+    with pytest.raises(UserError, match=r"lm_data.format='ids' needs lm_data.eos_id, .*: set it "
+                                        r"\(GPT-2: 50256, Llama 2: 2\)"):
         lm_data.LMDataConfig(train_files=named, format="ids")
     with pytest.raises(UserError, match=r"has no default corpus: set lm_data.train_files \(write them with "
-                                        r"tfpod.input.lm_data.write_ids_records\)"):
+                                        r"tfpod.input.lm_data.write_ids_records, or tfpod.input.rows from parquet\)"):
         lm_data.resolve(lm_data.LMDataConfig(format="ids", eos_id=EOS))
     with pytest.raises(UserError, match=r"document 1 for .* holds token id -1: token ids are >= 0"):
         lm_data.write_ids_records(str(tmp_path / "c.tfrecord"), [[1], [-1]])
