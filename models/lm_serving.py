@@ -145,10 +145,11 @@ def serving(model, config, data_config, whole_sequences: bool = False) -> tuple[
         return tokenizer.detokenize(tf.RaggedTensor.from_tensor(ids, lengths=lengths))
 
     @tf.function(input_signature=[tf.TensorSpec([None, None], tf.int32), tf.TensorSpec([None], tf.int32),
-                                  *OPTIONS, STOP])
-    def cached_generate(right_padded, lengths, max_new_tokens, temperature, top_k, top_p, seed, stop):
-        """decoding.generate on prompts given right-padded [batch, P] with their lengths (traced
-        once: every generating signature calls this one function)."""
+                                  *OPTIONS, tf.TensorSpec([None, None], tf.string)])
+    def cached_generate(right_padded, lengths, max_new_tokens, temperature, top_k, top_p, seed, stops):
+        """decoding.generate on prompts given right-padded [batch, P] with their lengths and stop
+        strings [batch, S] (stop_table's; traced once: every generating signature calls this one
+        function)."""
         batch, prompt = tf.shape(right_padded)[0], tf.shape(right_padded)[1]
         limit = decoding.per_row(max_new_tokens, batch, tf.int32, "max_new_tokens")
         worst = tf.argmax(lengths + limit)
@@ -162,7 +163,6 @@ def serving(model, config, data_config, whole_sequences: bool = False) -> tuple[
                 "send a shorter prompt or fewer new tokens", [lengths[worst], limit[worst]])])]
         stopped = None
         if tokenizer is not None:
-            stops = stop_table(stop, batch)
             any_stop = tf.reduce_any(tf.strings.length(stops) > 0)
             stopped = lambda out, count: tf.cond(any_stop, lambda: first_stop(detokenized(out, count), stops) >= 0,
                                                  lambda: tf.zeros([batch], tf.bool))
@@ -183,7 +183,7 @@ def serving(model, config, data_config, whole_sequences: bool = False) -> tuple[
             ["lengths must give each row of input_ids its prompt length, 1 to the row's width: send one per row"]))
         with tf.control_dependencies(checks):
             return cached_generate(tf.identity(input_ids), lengths, max_new_tokens, temperature, top_k, top_p, seed,
-                                   "")
+                                   tf.fill([tf.shape(input_ids)[0], 1], ""))
 
     if tokenizer is None:
         return module, {"serving_default": ids, "ids": ids, "generate_ids": generate_ids.get_concrete_function()}
@@ -206,11 +206,12 @@ def serving(model, config, data_config, whole_sequences: bool = False) -> tuple[
         """cached_generate on text prompts, with the text of each continuation: up to (not
         including) its EOS, cut before its first stop string."""
         ids = framed(texts)
-        result = cached_generate(ids.to_tensor(0), tf.cast(ids.row_lengths(), tf.int32), *options)
+        stops = stop_table(options[-1], tf.shape(texts)[0])
+        result = cached_generate(ids.to_tensor(0), tf.cast(ids.row_lengths(), tf.int32), *options[:-1], stops)
         before_eos = tf.reduce_sum(tf.cast(tf.equal(tf.cumsum(tf.cast(tf.equal(result["ids"], eos), tf.int32),
                                                               axis=1), 0), tf.int32), axis=1)
         text = detokenized(result["ids"], tf.minimum(before_eos, result["num_tokens"]))
-        cut = first_stop(text, stop_table(options[-1], tf.shape(text)[0]))
+        cut = first_stop(text, stops)
         return {**result, "text": tf.strings.substr(text, tf.zeros_like(cut), tf.where(cut >= 0, cut, tf.strings.length(text)))}
 
     @tf.function(input_signature=[tf.TensorSpec([None], tf.string, name="text"), OPTIONS[0]])

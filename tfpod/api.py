@@ -36,7 +36,7 @@ class RunConfigs:
     train: object  # controller.TrainConfig
     optimizer: object  # optimizers.OptimizerConfig
     sharding: object  # partitioning.ShardingConfig
-    lora: object = None  # lora.LoraConfig (the task is then lora.adapt's: its model has adapters)
+    lora: object = None  # lora.LoraConfig with adapters on (the task is then lora.adapt's), else None
 
 
 @dataclasses.dataclass
@@ -69,16 +69,10 @@ class RunOptions:
 
 def build_run_configs() -> RunConfigs:
     """Builds every config (each value checked: types, ranges, choices) from the parsed gin config."""
-    from tfpod import lora
-    from tfpod.models import get_task
-
-    experiment = config.build_config("experiment")
-    task = get_task(experiment.model)
-    adapters = config.build_config("lora")
-    return RunConfigs(task=lora.adapt(task, adapters), experiment=experiment, model=config.build_config(task.name),
-                      data=config.build_config(task.data_name), train=config.build_config("train"),
-                      optimizer=config.build_config("optimizer"), sharding=config.build_config("sharding"),
-                      lora=adapters)
+    task, model, data = config.build_task_configs()
+    return RunConfigs(task=task, experiment=config.build_config("experiment"), model=model, data=data,
+                      train=config.build_config("train"), optimizer=config.build_config("optimizer"),
+                      sharding=config.build_config("sharding"), lora=task.lora)
 
 
 def check_writable(model_dir: str) -> None:

@@ -350,8 +350,13 @@ def read_weights(state: TrainState, path: str, where: str, fix: str, scope=conte
     try:
         with scope():
             status = ckpt.restore(path)
-            if absent_ok is None:  # (else mismatch checked every other weight's key and shape)
+            if absent_ok is None:
                 status.assert_existing_objects_matched()
+            else:  # every weight but those it may lack got a value
+                bound = {id(o) for o in compat.bound_objects(status)}
+                unbound = [k for k, v in variables_by_key(ckpt).items() if id(v) not in bound and not absent_ok(k)]
+                if unbound:
+                    raise AssertionError(f"{len(unbound)} weight(s) got no value from it ({', '.join(unbound[:3])})")
     except (AssertionError, ValueError) as e:
         raise UserError(f"{where} does not fit this model ({first_line(e)}): {fix}") from None
     status.expect_partial()  # the optimizer's state is not read

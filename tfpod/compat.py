@@ -1,14 +1,12 @@
 """The one place tfpod touches private parts of tf_keras, Model Garden and TensorFlow.
 
-tfpod builds on internals these libraries do not promise to keep: how tf_keras makes a
-model's variables lazily and places them on a mesh, optimizer slots, a layer's random
-generator, Model Garden layers' one-hot switches. Every such access is a function here,
-written against the versions in TESTED; importing this module checks the installed
-versions and stops with one line when one differs (setup.py pins them), instead of
-failing later in an AttributeError deep in a library.
+tfpod builds on internals these libraries do not promise to keep: how tf_keras makes a model's
+variables lazily and places them on a mesh, optimizer slots, a layer's random generator, Model
+Garden layers' one-hot switches. Every such access is a function here, written against the
+versions in TESTED; importing this module checks the installed versions and stops with one line
+when one differs (setup.py pins them), not later in an AttributeError deep in a library.
 
-Public API (tf_keras.Model, tf_keras.layers.*, tf.data, dtensor) is used directly
-everywhere else.
+Public API (tf_keras.Model, tf_keras.layers.*, tf.data, dtensor) is used directly elsewhere.
 """
 
 from __future__ import annotations
@@ -503,6 +501,11 @@ def checkpoint_objects(ckpt) -> dict:
     return {f"{names[o]}/.ATTRIBUTES/VARIABLE_VALUE": o for o in objects if isinstance(o, tf.Variable)}
 
 
+def bound_objects(status) -> list:
+    """The objects a restore (its CheckpointLoadStatus) gave values from the checkpoint."""
+    return list(status._checkpoint.object_by_proto_id.values())
+
+
 def checkpoint_object_graph(ckpt) -> bytes:
     """The serialized object graph (TrackableObjectGraph) a save of `ckpt` writes beside its variables."""
     from tensorflow.python.checkpoint import graph_view, save_util
@@ -525,20 +528,17 @@ def record_checkpoint(manager, path: str) -> None:
 
 
 def onednn_enabled() -> bool:
-    """Whether TensorFlow runs its oneDNN CPU kernels (else Eigen's): on only with AVX-512-class
-    CPU features, and not with TF_ENABLE_ONEDNN_OPTS=0."""
+    """Whether TensorFlow runs oneDNN CPU kernels (else Eigen's): only with AVX-512, not with TF_ENABLE_ONEDNN_OPTS=0."""
     from tensorflow.python.util import _pywrap_util_port
 
     return bool(_pywrap_util_port.IsMklEnabled())
 
 
 def share_variable_handle_programs() -> None:
-    """Eager variable handles without TensorFlow's per-variable `debug_name` (graph ones keep it).
-
-    DTensor compiles an eager op once per set of attributes; TensorFlow 2.20 gives each
-    VarHandleOp its variable's name as an attribute, so DTensor compiled one program per
-    variable created (21 ms each on 8 CPU devices, against 3 ms when reused: gpt's 110
-    variables and slots took 2.3 s). The variables keep their names (Python-side)."""
+    """Eager variable handles without TensorFlow's per-variable `debug_name` (graph ones keep it):
+    DTensor compiles an eager op once per set of attributes, so a name per VarHandleOp cost one
+    program per variable (21 ms each on 8 CPU devices against 3 ms reused; gpt's 110 variables
+    and slots took 2.3 s). The variables keep their names (Python-side)."""
     from tensorflow.python.eager import context
     from tensorflow.python.ops import gen_resource_variable_ops as ops
 
@@ -566,7 +566,7 @@ def variant_tensor(dataset):
     return dataset._variant_tensor
 
 
-def iterator_resource(iterator):
+def iterator_resource(iterator):  # (tf.data's iterator resource)
     return iterator._iterator_resource
 
 

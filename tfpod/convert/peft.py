@@ -10,8 +10,9 @@ A tfpod adapter pair on a kernel [*in, *out] (tfpod.lora) is lora_a [*in, r] and
 query, key, value) gets one adapter: of rank r when they share one lora_a
 (lora.shared_qkv: their B stacked), else of rank n * r (the parts' A stacked, their B on
 the diagonal) with alpha n * alpha, the same scale, in PEFT's rank_pattern / alpha_pattern.
-Every module's PEFT update is checked against the family's own kernel -> Hub conversion
-before anything is written.
+Each kind of module's PEFT update is checked against the family's own kernel -> Hub conversion
+before anything is written: in its first layer (every layer converts alike), so a big model's
+export does not build a full-size delta for every module.
 
     python -m tfpod.convert export --model_dir=D --peft=OUT
 """
@@ -21,6 +22,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 
 import numpy as np
 
@@ -34,11 +36,13 @@ CONFIG = "adapter_config.json"
 TASK_TYPES = {"gpt": "CAUSAL_LM", "llama": "CAUSAL_LM"}  # (BERT: PEFT's generic model)
 
 
-def module_adapters(param, values: dict, adapters: dict, rank: int) -> tuple[np.ndarray, np.ndarray, bool] | None:
+def module_adapters(param, values: dict, adapters: dict, rank: int,
+                    fan_in_fan_out: bool | None = None) -> tuple[np.ndarray, np.ndarray, bool] | None:
     """PEFT's (lora_A [n r, in], lora_B [out, n r], fan_in_fan_out) of one Hub tensor from the
     adapters on the tfpod kernels it holds (None: it has none). `adapters`: {kernel name:
     (lora_a array, lora_b array, the lora_a variable's name)}; kernels sharing one lora_a
-    (lora.shared_qkv) give one rank-r adapter.
+    (lora.shared_qkv) give one rank-r adapter. `fan_in_fan_out`: what an earlier layer's
+    module of this kind was found to be (None: check it here).
 
     Raises:
       UserError: the family's conversion of the kernels is not PEFT's update of this form.
@@ -60,6 +64,8 @@ def module_adapters(param, values: dict, adapters: dict, rank: int) -> tuple[np.
     for j, g in enumerate(groups):
         for i in g:
             lora_b[sum(outs[:i]):sum(outs[:i + 1]), j * rank:(j + 1) * rank] = flat[kernels[i]][1].T
+    if fan_in_fan_out is not None:
+        return lora_a, lora_b, fan_in_fan_out
     # the check: the family's own conversion of each kernel's update is B @ A (or its transpose)
     deltas = [(flat[k][0] @ flat[k][1]).reshape(values[k].shape) if k in flat else np.zeros_like(values[k])
               for k in kernels]
@@ -90,11 +96,14 @@ def export_peft(model_dir: str, out: str, checkpoint_prefix: str | None = None) 
     values = {v.name.split(":")[0]: v.numpy() for v in model.weights}
     adapters = {k: (a.numpy(), b.numpy(), a.name) for k, (a, b) in lora.adapters_of(model).items()}
     tensors, ranks, alphas, fan = [], {}, {}, set()
+    checked = {}  # module kind (its name without layer numbers) -> fan_in_fan_out
     for param in family.params(c.model, family.EXPORT_ARCHITECTURE):
-        found = module_adapters(param, values, adapters, config.rank)
+        kind = re.sub(r"\.\d+\.", ".N.", param.hub)
+        found = module_adapters(param, values, adapters, config.rank, checked.get(kind))
         if found is None:
             continue
         lora_a, lora_b, fan_in_fan_out = found
+        checked[kind] = fan_in_fan_out
         module = param.hub[: -len(".weight")]
         tensors += [(f"base_model.model.{module}.lora_A.weight", lora_a),
                     (f"base_model.model.{module}.lora_B.weight", lora_b)]
