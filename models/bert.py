@@ -422,6 +422,11 @@ def staged(model: BertPretrainer) -> StagedModel:
     )
 
 
+def weight_flops_per_token(config: BertConfig) -> float:
+    """flops_per_token less the attention's scores and values: its weights' matmuls."""
+    return flops_per_token(config) - 12.0 * config.num_layers * config.seq_len * config.hidden_size
+
+
 def flops_per_token(config: BertConfig) -> float:
     """Model FLOPs per trained token (forward + backward, 6 per multiply-add weight).
 
@@ -534,6 +539,7 @@ class BertTask(Task):
     build = staticmethod(BertPretrainer)
     input_signature = staticmethod(input_signature)
     flops_per_token = staticmethod(flops_per_token)
+    weight_flops_per_token = staticmethod(weight_flops_per_token)
     batch_axes = staticmethod(batch_axes)
     model_inputs = staticmethod(model_inputs)
     synthetic_batch = staticmethod(synthetic_batch)

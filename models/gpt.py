@@ -537,16 +537,17 @@ def loss_from_logits(logits: tf.Tensor, batch: dict):
     return {"loss_sum": tf.reduce_sum(token_loss * weights), "weight_sum": tf.reduce_sum(weights)}
 
 
-def flops_per_token(config: GPTConfig) -> float:
-    """Model FLOPs per trained token (forward + backward), as in the PaLM appendix.
-
-    6 * (non-embedding params + the tied output matmul's vocab x embed) plus the
-    attention score/value matmuls, 12 * layers * length * embed.
-    """
+def weight_flops_per_token(config: GPTConfig) -> float:
+    """6 * (non-embedding params + the tied output matmul's vocab x embed): the weights' matmuls."""
     e, l, m = config.embed_dim, config.num_layers, config.mlp_dim
     per_layer = 4 * e * e + 2 * e * m  # q, k, v, out + two MLP matmuls
-    dense = l * per_layer + config.vocab_size * e
-    return 6.0 * dense + 12.0 * l * config.seq_len * e
+    return 6.0 * (l * per_layer + config.vocab_size * e)
+
+
+def flops_per_token(config: GPTConfig) -> float:
+    """Model FLOPs per trained token (forward + backward), as in the PaLM appendix: the
+    weights' matmuls plus the attention score/value matmuls, 12 * layers * length * embed."""
+    return weight_flops_per_token(config) + 12.0 * config.num_layers * config.seq_len * config.embed_dim
 
 
 class GPTTask(Task):
@@ -563,6 +564,7 @@ class GPTTask(Task):
     build = staticmethod(GPT)
     input_signature = staticmethod(input_signature)
     flops_per_token = staticmethod(flops_per_token)
+    weight_flops_per_token = staticmethod(weight_flops_per_token)
     batch_axes = staticmethod(batch_axes)
     model_inputs = staticmethod(model_inputs)
     synthetic_batch = staticmethod(synthetic_batch)

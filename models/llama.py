@@ -335,14 +335,18 @@ def staged(model: Llama):
     return dataclasses.replace(gpt.staged(model), context=lambda batch: model.context(gpt.model_inputs(batch)))
 
 
-def flops_per_token(config: LlamaConfig) -> float:
-    """Model FLOPs per trained token (forward + backward): 6 x the matmul weights a token
-    passes (q and output projections e x e each, key and value e x kv_heads x head_dim each,
-    three SwiGLU matmuls e x mlp, the output layer vocab x e) plus the attention's score
-    and value matmuls, 12 x layers x length x embed (every query head attends)."""
+def weight_flops_per_token(config: LlamaConfig) -> float:
+    """6 x the matmul weights a token passes: q and output projections e x e each, key and
+    value e x kv_heads x head_dim each, three SwiGLU matmuls e x mlp, the output layer vocab x e."""
     e, l, kv = config.embed_dim, config.num_layers, config.num_kv_heads * config.head_dim
     per_layer = 2 * e * e + 2 * e * kv + 3 * e * config.mlp_dim
-    return 6.0 * (l * per_layer + config.vocab_size * e) + 12.0 * l * config.seq_len * e
+    return 6.0 * (l * per_layer + config.vocab_size * e)
+
+
+def flops_per_token(config: LlamaConfig) -> float:
+    """Model FLOPs per trained token (forward + backward): the weights' matmuls plus the
+    attention's score and value matmuls, 12 x layers x length x embed (every query head attends)."""
+    return weight_flops_per_token(config) + 12.0 * config.num_layers * config.seq_len * config.embed_dim
 
 
 class LlamaTask(gpt.GPTTask):
@@ -357,6 +361,7 @@ class LlamaTask(gpt.GPTTask):
     serving = staticmethod(lm_serving.serving)
     staged = staticmethod(staged)
     flops_per_token = staticmethod(flops_per_token)
+    weight_flops_per_token = staticmethod(weight_flops_per_token)
     plan_profile = staticmethod(functools.partial(plan_profiles.llama, flops=flops_per_token))
 
 

@@ -400,6 +400,11 @@ def loss_terms(model: MoELM, batch: dict, training: bool) -> LossTerms:
     return LossTerms(terms.sums, aux=model.config.aux_loss_coef * aux_loss, metrics=metrics)
 
 
+def weight_flops_per_token(config: MoEConfig) -> float:
+    """6 x the weights a token multiplies (flops_per_token's first term)."""
+    return flops_per_token(config) - 12.0 * config.num_layers * config.seq_len * config.embed_dim
+
+
 def flops_per_token(config: MoEConfig) -> float:
     """Model FLOPs per trained token (forward + backward) of what a token computes.
 
@@ -431,6 +436,7 @@ class MoETask(gpt.GPTTask):
     # Its routing groups are slices of seq_len tokens: served on ids padded to seq_len.
     serving = staticmethod(functools.partial(lm_serving.serving, whole_sequences=True))
     flops_per_token = staticmethod(flops_per_token)
+    weight_flops_per_token = staticmethod(weight_flops_per_token)
     plan_profile = staticmethod(functools.partial(plan_profiles.moe, flops=flops_per_token))
 
 

@@ -77,6 +77,11 @@ def test_adapters_train_sharded_as_on_one_device_and_leave_every_base_weight_as_
         slots = {k for k in variables_by_key(state) if ".OPTIMIZER_SLOT" in k}
         assert slots and all(re.search(r"/lora_[ab]/\.OPTIMIZER_SLOT/", k) for k in slots)
         results[mesh] = losses
+        # MFU counts a LoRA step: no gradient of a frozen weight's own (its 2 of 6 FLOPs a token)
+        task, cfg = SMALL[name]
+        adapters = sum(np.prod(v.shape) for v in model.trainable_variables)
+        step = task.flops_per_token(cfg) - task.weight_flops_per_token(cfg) / 3 + 6 * adapters
+        assert controller.writer.rates.flops_per_step == pytest.approx(step * 8 * (task.tokens_per_example(cfg) or 1))
     np.testing.assert_allclose(results["data:4,model:2"], results["data:1,model:1"], rtol=1e-4)
 
 
@@ -183,11 +188,7 @@ def test_lora_from_a_base_run_resumes_exactly_refuses_another_base_and_exports_m
     configlib.parse_config([str(straight / "config.gin")], [])
     task, cfg, _ = configlib.build_task_configs()
     gin.clear_config()  # (no binding left for the next test in this process)
-    unmerged = export.built(task, cfg)
-    from tfpod.checkpoint import read_weights
-    from tfpod.train_state import TrainState
-
-    read_weights(TrainState(None, unmerged), str(straight / "checkpoints" / "ckpt-10"), "test", "")
+    unmerged = export.single_device_model(task, cfg, str(straight / "checkpoints" / "ckpt-10"), merge=False)
     ids = np.random.default_rng(0).integers(0, cfg.vocab_size, [2, 24]).astype(np.int32)
     want = unmerged({"inputs": tf.constant(ids)}, training=False).numpy()
     got = served(input_ids=tf.constant(ids))["logits"].numpy()
@@ -210,6 +211,24 @@ def test_lora_from_a_base_run_resumes_exactly_refuses_another_base_and_exports_m
     stored = tf.train.list_variables(str(straight / "export" / "gpt" / "1" / "variables" / "variables"))
     plain = export.built(task.base_task, cfg)  # the export holds the base model's weights alone
     assert sum(np.prod(shape) for key, shape in stored if "VARIABLE_VALUE" in key) == plain.count_params()
+
+    # The run's checkpoints hold its adapters and their optimizer state alone (the base is read from
+    # its own checkpoint, lora_base.json); with the base gone a resume is refused, nothing written.
+    keys = [k for k in a if k.endswith("VARIABLE_VALUE") and "save_counter" not in k]
+    assert {k for k in keys if k.startswith("model/") and ".OPTIMIZER_SLOT" not in k} == {
+        f"model/trained/{lora.var_name(v).replace('/', '.S')}/.ATTRIBUTES/VARIABLE_VALUE"
+        for v in unmerged.trainable_variables}
+    slots = [k for k in keys if ".OPTIMIZER_SLOT" in k]
+    assert slots and all(re.search(r"lora_[ab]/\.OPTIMIZER_SLOT/", k) for k in slots)
+    assert sum(a[k].size for k in keys) < plain.count_params() / 10
+    for f in os.listdir(base / "checkpoints"):
+        if f.startswith("ckpt-4."):
+            os.rename(base / "checkpoints" / f, tmp_path / f)
+    proc = main_py(*common, *adapters[1:], f"--model_dir={straight}", "--gin_param=train.steps=12")
+    assert proc.returncode == 1
+    assert re.search(r"this run's checkpoints hold its adapters, and their base \S+ckpt-4 \(\S+lora_base.json\) is "
+                     r"gone: put it back where it was, or start a new --model_dir", proc.stderr)
+    assert (sorted(os.listdir(straight / "checkpoints")), (straight / "config.gin").read_text()) == before
 
 
 @pytest.mark.unit
@@ -299,8 +318,10 @@ def test_the_mlperf_llama2_70b_lora_recipe_is_the_references():
     """gin/llama2_70b_lora.gin builds the reference's run (mlcommons/training llama2_70b_lora/
     run_llama_70B_scrolls_r16.sh): the model, LoRA r16 / alpha 32 / dropout 0.1 on fused qkv
     and o_proj, batch 8 of 8,192 tokens, AdamW 4e-4 cosine, clip 0.3, target eval loss 0.925;
-    its trained parameters are the reference's 557,056 a layer."""
+    its trained parameters are the reference's 557,056 a layer, and its step's FLOPs are a LoRA step's."""
     from tfpod import api, config, partitioning
+    from tfpod.plan import devices
+    from tfpod.plan.planner import Choice, Planner
 
     config.parse_config(["gin/llama2_70b_lora.gin"], ["llama.num_layers=2"])  # two of its 80 blocks
     c = api.build_run_configs()
@@ -313,6 +334,16 @@ def test_the_mlperf_llama2_70b_lora_recipe_is_the_references():
         4e-4, 0, "cosine", 1e-4, 0.3, 0.999)
     specs = partitioning.variable_specs(lambda: c.task.build(c.model), c.task.input_signature(c.model))
     assert sum(np.prod(s.shape) for s in specs if s.trainable) == 2 * 557_056
+    # A step's FLOPs per token: every frozen matmul weight (the kernels and the output layer) 4
+    # (forward, input gradient), each adapter weight 6, the attention's scores and values 12 x
+    # layers x length x embed; the planner times and logs MFU on that, recomputing the full forward.
+    frozen = sum(np.prod(s.shape) for s in specs if s.name.endswith(("kernel", "output_embedding/embeddings")))
+    attention = 12 * 2 * 8192 * 8192
+    step = 4 * frozen + 6 * 2 * 557_056 + attention
+    assert c.task.step_flops_per_token(c.model, specs) == pytest.approx(step, rel=1e-12)
+    assert c.task.flops_per_token(c.model) == pytest.approx(6 * frozen + attention, rel=1e-12)
+    plan = Planner(c, devices.get("h100"), 8).plan(Choice("data:8", "data"))
+    assert plan["breakdown"]["model_flops_per_step"] == pytest.approx(step * 8 * 8192, rel=1e-12)
     gin.clear_config()  # (no binding left for the next test in this process)
 
 

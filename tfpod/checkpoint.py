@@ -32,6 +32,7 @@ from, and keeping the newest `keep` never drops the last finite one.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 import time
@@ -40,7 +41,7 @@ import numpy as np
 import tensorflow as tf
 from tensorflow.experimental import dtensor
 
-from tfpod import UserError, checkpoint_writer, compat, mesh as meshlib, run_folder, runtime
+from tfpod import UserError, checkpoint_writer, compat, lora, mesh as meshlib, run_folder, runtime
 from tfpod.partitioning import report
 from tfpod.train_state import TrainState
 
@@ -158,6 +159,7 @@ class CheckpointManager:
         """
         self.wait()
         self._checked = None
+        read_base(self.state, self._mesh)
         problem = mismatch(self._ckpt, path)
         if problem:
             raise UserError(f"checkpoint {path} is not of this model: {problem}; {fix}")
@@ -175,8 +177,8 @@ class CheckpointManager:
         Raises:
           UserError: the checkpoint is of another model (`what` names the setting that gave it).
         """
-        read_weights(self.state, path, f"{what}={path}", "pass a checkpoint of the same model config", self._mesh,
-                     absent_ok)
+        read_weights(dataclasses.replace(self.state, saved=None, base=None), path, f"{what}={path}",
+                     "pass a checkpoint of the same model config", self._mesh, absent_ok)
 
     def restore_latest(self) -> int | None:
         """Restores the newest complete, readable checkpoint if there is one; returns its step or None.
@@ -343,7 +345,8 @@ def read_weights(state: TrainState, path: str, where: str, fix: str, scope=conte
       UserError: "`where` is not of this model" (the variables that differ) or does not fit
         it, then `fix`.
     """
-    ckpt = tf.train.Checkpoint(model=state.model)
+    read_base(state, scope)
+    ckpt = tf.train.Checkpoint(model=state.trackables()["model"])
     problem = mismatch(ckpt, path, weights_only=True, absent_ok=absent_ok)
     if problem:
         raise UserError(f"{where} is not of this model: {problem}; {fix}")
@@ -361,6 +364,15 @@ def read_weights(state: TrainState, path: str, where: str, fix: str, scope=conte
         raise UserError(f"{where} does not fit this model ({first_line(e)}): {fix}") from None
     status.expect_partial()  # the optimizer's state is not read
     state.after_restore()  # pipeline stages' variables, read through the first stage
+
+
+def read_base(state: TrainState, scope=contextlib.nullcontext) -> None:
+    """Reads `state.base` (if any: a LoRA run's base checkpoint) into every weight of the model
+    but the adapters, the part of the weights a checkpoint of `state` leaves out."""
+    if state.base is not None:
+        read_weights(dataclasses.replace(state, saved=None, base=None), state.base, f"the base {state.base} ({lora.BASE_FILE})",
+                     "put back the base this run was trained on, or start a new --model_dir", scope,
+                     lora.is_adapter_key)
 
 
 def resolve(path: str, what: str) -> str:

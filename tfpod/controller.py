@@ -148,6 +148,12 @@ class Controller:
         log.info("layouts (every variable: %s, written when training starts):\n%s",
                  os.path.join(model_dir, "layouts.txt"), summary)
         os.makedirs(model_dir, exist_ok=True)
+        if task.lora is not None:  # LoRA on a base checkpoint: checkpoints hold the trained weights alone
+            init_from = checkpoint.resolve(config.init_from, "train.init_from") if config.init_from else None
+            resuming = bool(checkpoint.complete_steps(os.path.join(model_dir, "checkpoints")))
+            trainer.state.base = lora.check_base(model_dir, init_from, resuming, self.is_chief)
+            if trainer.state.base is not None:
+                trainer.state.saved = lora.saved_weights(trainer.model)
         self.checkpoints = checkpoint.CheckpointManager(model_dir, trainer.state, keep=config.keep_checkpoints,
                                                         async_save=config.async_checkpoint)
         tokens_per_step = config.global_batch_size * (tokens or 1)
@@ -157,7 +163,7 @@ class Controller:
         units = self.info.num_clients if (self.info.device_type == "CPU" and not config.peak_flops) \
             else self.info.num_global_devices
         self.writer = MetricsWriter(model_dir, self.is_chief, config.steps, Throughput(
-            config.global_batch_size, tokens_per_step, task.flops_per_token(trainer.model_config) * tokens_per_step,
+            config.global_batch_size, tokens_per_step, task.step_flops_per_token(trainer.model_config, trainer.specs) * tokens_per_step,
             per_device * units))
         self._restored: tuple[int | None] | None = None
 
@@ -171,11 +177,9 @@ class Controller:
 
     def _resume(self) -> int | None:
         """The newest checkpoint's step; without one, the weights of train.init_from (step None)."""
-        step = self.checkpoints.restore_latest()
-        adapters = self.trainer.task.lora  # LoRA: the base's weights and the adapters' record
+        step = self.checkpoints.restore_latest()  # (a LoRA run's: its base first, TrainState.base)
+        adapters = self.trainer.task.lora
         path = checkpoint.resolve(self.cfg.init_from, "train.init_from") if self.cfg.init_from else None
-        if adapters is not None:
-            lora.check_base(self.model_dir, path, step is not None, self.is_chief)
         if self.cfg.init_from and step is not None:
             log.info("train.init_from=%s not read: resuming this run from its own step %d", self.cfg.init_from, step)
         elif self.cfg.init_from:

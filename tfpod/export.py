@@ -70,11 +70,16 @@ def built(task, model_config):
 def single_device_model(task, model_config, path: str, merge: bool = True):
     """The task's model built without a mesh, every weight read whole from checkpoint `path`;
     with LoRA adapters (tfpod.lora), the base task's model with them merged into its weights
-    (`merge`; else the model with its adapters)."""
+    (`merge`; else the model with its adapters), read from their run's base and checkpoint."""
+    from tfpod import lora
+
     model = built(task, model_config)
-    read_weights(TrainState(None, model), path, f"checkpoint {path}", "export with the gin config it was trained with")
+    state = TrainState(None, model)
+    if task.lora is not None:  # a run on a base checkpoint (its record in the run folder) saved its adapters alone
+        state.base = lora.recorded_base(os.path.dirname(os.path.dirname(os.path.abspath(path))))
+        state.saved = lora.saved_weights(model) if state.base is not None else None
+    read_weights(state, path, f"checkpoint {path}", "export with the gin config it was trained with")
     if task.lora is not None and merge:
-        from tfpod import lora
 
         return lora.merged(model, built(task.base_task, model_config), task.lora)
     return model

@@ -267,6 +267,21 @@ def adapting_build(build, config: LoraConfig):
     return adapted
 
 
+def step_flops_per_token(task, config, variables) -> float:
+    """Task.step_flops_per_token of an adapted task: the base's model FLOPs less the frozen
+    weights' own gradients (2 of a weight's 6 FLOPs a token), plus 6 per adapter weight.
+    lora.trainable weights are counted as frozen (norms and biases do no matmul; a trainable
+    head's gradient is not counted); a base task that does not split its weights' FLOPs
+    (weight_flops_per_token None) keeps its full count."""
+    base = task.base_task
+    full, weights = base.flops_per_token(config), base.weight_flops_per_token(config)
+    if weights is None:
+        return full
+    adapters = sum(math.prod(tuple(v.shape)) for v in variables
+                   if re.search(r"/lora_[ab](:\d+)?$", v.name))
+    return full - weights / 3.0 + 6.0 * adapters
+
+
 def adapt(task, config: LoraConfig):
     """The task whose model has adapters (config.enabled), else the task itself."""
     if not config.enabled:
@@ -277,6 +292,7 @@ def adapt(task, config: LoraConfig):
         "axis_rules": tuple(task.axis_rules) + adapter_rules(task.axis_rules),
         "lora": config,
         "base_task": task,
+        "step_flops_per_token": step_flops_per_token,
     })
     return adapted()
 
@@ -316,17 +332,28 @@ def is_adapter_key(key: str) -> bool:
 BASE_FILE = "lora_base.json"  # in model_dir: the base a run's adapters were trained on
 
 
+def saved_weights(model) -> tf.Module:
+    """What the checkpoints of a LoRA run on a base checkpoint hold of its model (TrainState.saved):
+    its trained weights (the adapters and lora.trainable's) by name; the frozen rest is the base's."""
+    holder = tf.Module(name="lora")
+    holder.trained = {var_name(v): v for v in model.trainable_variables}
+    return holder
+
+
 def base_record(path: str | None) -> dict:
     """What identifies a base: the checkpoint `train.init_from` named (None: the model's own
     fresh initialization) and a digest of its index (which holds every tensor's checksum)."""
     if path is None:
         return {"init_from": None, "index_sha256": None}
     with tf.io.gfile.GFile(path + ".index", "rb") as f:
-        return {"init_from": path, "index_sha256": hashlib.sha256(f.read()).hexdigest()}
+        digest = hashlib.sha256(f.read()).hexdigest()
+    return {"init_from": path if "://" in path else os.path.abspath(path), "index_sha256": digest}
 
 
-def check_base(model_dir: str, path: str | None, resuming: bool, is_chief: bool) -> None:
-    """Records the base of a run's adapters (a new run), or refuses to resume them on another.
+def check_base(model_dir: str, path: str | None, resuming: bool, is_chief: bool) -> str | None:
+    """Records the base of a run's adapters (a new run), or refuses to resume them on another;
+    returns the base checkpoint the run's checkpoints leave the frozen weights to (None: the
+    base is the model's fresh initialization, and the checkpoints hold all of it).
 
     Args:
       model_dir: the run's folder (holds BASE_FILE).
@@ -336,23 +363,42 @@ def check_base(model_dir: str, path: str | None, resuming: bool, is_chief: bool)
       is_chief: this host writes the record.
 
     Raises:
-      UserError: resuming with a train.init_from other than the base the record names.
+      UserError: resuming with a train.init_from other than the base the record names, or
+        the recorded base is gone or was written over.
     """
-    record_path = os.path.join(model_dir, BASE_FILE)
     if resuming:
-        if path is None or not tf.io.gfile.exists(record_path):
-            return  # the base is in the run's own checkpoints; nothing to compare
-        with tf.io.gfile.GFile(record_path) as f:
-            recorded = json.load(f)
-        given = base_record(path)
-        if given["index_sha256"] != recorded["index_sha256"]:
-            trained_on = recorded["init_from"] or "a freshly initialized base (no train.init_from)"
-            raise UserError(f"train.init_from={path} is not the base this run's adapters were trained on "
-                            f"({trained_on}, {record_path}): resume with that base, or start a new --model_dir")
-        return
+        return recorded_base(model_dir, path)
     if is_chief:
         tf.io.gfile.makedirs(model_dir)
+        record_path = os.path.join(model_dir, BASE_FILE)
         tmp = record_path + ".tmp"
         with tf.io.gfile.GFile(tmp, "w") as f:
             json.dump(base_record(path), f, indent=1)
         tf.io.gfile.rename(tmp, record_path, overwrite=True)
+    return path
+
+
+def recorded_base(model_dir: str, path: str | None = None) -> str | None:
+    """The base checkpoint run `model_dir`'s adapters were trained on (None: no record, or the
+    model's fresh initialization: its checkpoints hold the whole model).
+
+    Raises:
+      UserError: `path` (train.init_from) is not that base, or the base is gone or was written over.
+    """
+    record_path = os.path.join(model_dir, BASE_FILE)
+    if not tf.io.gfile.exists(record_path):
+        return None  # the base is in the run's own checkpoints; nothing to compare
+    with tf.io.gfile.GFile(record_path) as f:
+        recorded = json.load(f)
+    base = recorded["init_from"]
+    if path is not None and base_record(path)["index_sha256"] != recorded["index_sha256"]:
+        raise UserError(f"train.init_from={path} is not the base this run's adapters were trained on "
+                        f"({base or 'a freshly initialized base (no train.init_from)'}, {record_path}): resume "
+                        "with that base, or start a new --model_dir")
+    if base is not None and not tf.io.gfile.exists(base + ".index"):
+        raise UserError(f"this run's checkpoints hold its adapters, and their base {base} ({record_path}) is "
+                        "gone: put it back where it was, or start a new --model_dir")
+    if base is not None and base_record(base)["index_sha256"] != recorded["index_sha256"]:
+        raise UserError(f"this run's adapters were trained on {base} ({record_path}), and it has been written "
+                        "over since: put the original back, or start a new --model_dir")
+    return base

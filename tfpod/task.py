@@ -83,6 +83,19 @@ class Task(abc.ABC):
     def flops_per_token(self, config) -> float:
         """Model FLOPs per trained token (per example when `tokens_per_example` is None)."""
 
+    def weight_flops_per_token(self, config) -> float | None:
+        """The part of flops_per_token that is weights' matmuls: 6 per weight a token
+        multiplies (2 forward, 2 for its input's gradient, 2 for its own). None: not known."""
+        del config
+        return None
+
+    def step_flops_per_token(self, config, variables) -> float:
+        """The model FLOPs a training step computes per token (what MFU and the planner count),
+        given the model's `variables` (each with .name and .shape): flops_per_token, but a
+        tfpod.lora task's frozen weights get no gradient of their own."""
+        del variables
+        return self.flops_per_token(config)
+
     def tokens_per_example(self, config) -> int | None:
         """Tokens per example, for tokens/s and MFU (None: the task counts examples)."""
         return None

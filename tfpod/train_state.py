@@ -2,7 +2,8 @@
 
     step       the global step: the optimizer's iteration counter (a DVariable on the mesh;
                a checkpoint is named ckpt-<step> and saved and read on the step's mesh)
-    model      the weights
+    model      the weights (all of them, or `saved`: a LoRA run's adapters, whose frozen base
+               is read first from its own checkpoint, `base`)
     optimizer  its state: slots and the learning-rate schedule's step (the same counter)
     through_first_stage
                pipeline stages' variables are written and read through the first stage's
@@ -36,6 +37,10 @@ class TrainState:
       model: the model (its weights).
       optimizer: the optimizer (None: a state of weights only, e.g. a converter's or a
         bare module's).
+      saved: what checkpoints hold of the model (None: the model; tfpod.lora.saved_weights:
+        a LoRA run's trained weights alone).
+      base: the checkpoint a restore first reads the rest of the model's weights from (a LoRA
+        run's base, tfpod.lora.check_base), or None.
       through_first_stage: (variable, holder) pairs the latest restore read through the
         first stage (filled during a restore, drained by `after_restore`).
     """
@@ -43,11 +48,14 @@ class TrainState:
     step: object
     model: object
     optimizer: object = None
+    saved: object = None
+    base: str | None = None
     through_first_stage: list = dataclasses.field(default_factory=list)
 
     def trackables(self) -> dict:
         """{checkpoint key: object}: what tf.train.Checkpoint saves ("model", "optimizer")."""
-        return {"model": self.model} if self.optimizer is None else {"model": self.model, "optimizer": self.optimizer}
+        model = self.model if self.saved is None else self.saved
+        return {"model": model} if self.optimizer is None else {"model": model, "optimizer": self.optimizer}
 
     def save_through(self, variables, mesh) -> None:
         """Saves and restores `variables` of other pipeline stages through `mesh` (the first stage's)."""

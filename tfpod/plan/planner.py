@@ -89,7 +89,8 @@ class Planner:
         self.frozen = sum(math.prod(s.shape) for s in self.specs if not s.trainable)  # (LoRA's base, BN's statistics)
         tokens = task.tokens_per_example(model_config)
         self.tokens_per_example = tokens or 1
-        self.flops_per_example = task.flops_per_token(model_config) * (tokens or 1)
+        self.flops_per_example = task.step_flops_per_token(model_config, self.specs) * (tokens or 1)
+        self.full_flops_per_example = task.flops_per_token(model_config) * (tokens or 1)  # (LoRA's: more)
 
     def _meshes(self, spec: str):
         from tfpod import mesh as meshlib
@@ -166,7 +167,8 @@ class Planner:
                              num_devices=self.num_devices, profile=self.profile, remat=remat, table=table, mesh=mesh,
                              mesh_sizes=sizes, bandwidths=bandwidths, global_batch=global_batch, state=state,
                              activation_bytes=acts.activations, num_trainable=sum(s.trainable for s in self.specs),
-                             num_stages=num_stages, microbatches=train.microbatches)
+                             num_stages=num_stages, microbatches=train.microbatches,
+                             full_flops_per_step=self.full_flops_per_example * global_batch)
         step = t["step_time_s"]
         tokens = global_batch * self.tokens_per_example
         fits = per_device["total"] <= device.memory_bytes * (1 - MEMORY_MARGIN)

@@ -60,7 +60,7 @@ def collective_seconds(kind: str, nbytes: float, n: int, bandwidth: float) -> fl
 def step_time(*, device: DeviceSpec, precision: str, flops_per_step: float, num_devices: int, profile: Profile,
               remat: bool, table: Mapping, mesh, mesh_sizes: Mapping[str, int], bandwidths: Mapping[str, float],
               global_batch: int, state, activation_bytes: float, num_trainable: int, num_stages: int = 1,
-              microbatches: int = 1) -> dict:
+              microbatches: int = 1, full_flops_per_step: float | None = None) -> dict:
     """Predicted seconds of one training step, and the terms behind it.
 
     Args:
@@ -78,10 +78,12 @@ def step_time(*, device: DeviceSpec, precision: str, flops_per_step: float, num_
       activation_bytes: the activations a device keeps (all microbatches alive).
       num_trainable: trainable variables (the optimizer's ops).
       num_stages, microbatches: the pipeline.
+      full_flops_per_step: the FLOPs of a step that trains every weight, whose forward third
+        recomputation repeats (default flops_per_step; a LoRA step computes fewer gradients).
     """
     m = max(1, microbatches)
     recompute = profile.block_flops_fraction / 3.0 if remat else 0.0
-    flops = flops_per_step * (1.0 + recompute) / num_devices
+    flops = (flops_per_step + recompute * (full_flops_per_step or flops_per_step)) / num_devices
     peak = device.flops(precision) * device.matmul_efficiency
     matmul_s = flops / peak
     weight_reads_s = WEIGHT_PASSES * m * (state.weights + state.gathered) / device.memory_bandwidth
