@@ -5,6 +5,7 @@ import os
 import re
 import signal
 import subprocess
+import sys
 import time
 
 import numpy as np
@@ -290,3 +291,61 @@ def test_two_hosts_train_lora_adapters_with_one_devices_losses(tmp_path, gin_fil
     for key in keys:
         if "/kernel/" in key and "OPTIMIZER" not in key:  # frozen: as initialized, on any mesh
             np.testing.assert_array_equal(tf.train.load_variable(two, key), tf.train.load_variable(one, key))
+
+def test_the_launcher_restarts_every_host_after_one_is_killed_and_the_run_ends_as_an_uninterrupted_one(tmp_path):
+    """tfpod.launch --max_restarts=1: host 1 of 2 killed with SIGKILL past a checkpoint; the
+    launcher stops host 0, starts both again after its backoff (TFPOD_RESTART=1), they resume
+    from the newest complete checkpoint, and the job exits 0 with the losses of one device's
+    uninterrupted run; goodput counts the automatic restart."""
+    d = tmp_path / "run"
+    extra = ["train.synthetic_data=True", "train.steps_per_loop=1", "train.checkpoint_every=2"]
+    cmd = [sys.executable, "-m", "tfpod.launch", "--num_hosts=2", "--devices_per_host=4", "--max_restarts=1",
+           "--restart_backoff_s=0.5", "--", *main_command(*main_args(d, 20, extra, mesh="data:2,model:4"))]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 300
+    while time.time() < deadline and proc.poll() is None and not os.path.exists(d / "checkpoints" / "ckpt-4.index"):
+        time.sleep(0.1)
+    hosts = {client: pid for pid, client in host_pids(d).items()}
+    assert sorted(hosts) == [0, 1], "the run ended before a host could be killed"
+    os.kill(hosts[1], signal.SIGKILL)
+    stdout, stderr = proc.communicate(timeout=600)
+    assert proc.returncode == 0, (stdout + stderr)[-3000:]
+    assert "launcher: host 1 was killed by SIGKILL: starting every host again in 0.5 s, from the newest complete " \
+           "checkpoint (restart 1 of --max_restarts=1)" in stderr
+    assert "resumed from" in stdout
+    history = json.load(open(d / "goodput.json"))["launches"]
+    assert [launch["restart"] for launch in history] == [0, 1]
+    assert "(1 automatic restart(s))" in stdout
+    run(["gin/lm_tiny.gin"], SMALL + extra + ["train.steps=20"], str(tmp_path / "one"), mesh=device_mesh())
+    reference, resumed = logged_losses(tmp_path / "one"), logged_losses(d)
+    assert sorted(resumed) == list(range(1, 21))
+    np.testing.assert_allclose([resumed[s] for s in range(1, 21)], [reference[s] for s in range(1, 21)], rtol=1e-5)
+
+
+@pytest.mark.unit
+def test_the_launcher_never_restarts_after_a_sigterm_and_stops_after_max_restarts(tmp_path):
+    """Hosts that count their starts: one failing every start is started 1 + --max_restarts
+    times, then the launcher exits with its code; a SIGTERM (preemption) to the launcher
+    reaches every host and is not followed by a restart, even when a host then fails."""
+    host = ("import os, signal, sys, time\n"
+            f"open(os.path.join({str(tmp_path)!r}, 'starts'), 'a').write(os.environ['TFPOD_RESTART'] + '\\n')\n"
+            "signal.signal(signal.SIGTERM, lambda *a: sys.exit(3))\n"
+            "if sys.argv[1] == 'fail' and os.environ['DTENSOR_CLIENT_ID'] == '1': sys.exit(5)\n"
+            "print('ready', flush=True); time.sleep(60)\n")
+    launcher = lambda mode: [sys.executable, "-m", "tfpod.launch", "--num_hosts=2", "--max_restarts=2",
+                             "--restart_backoff_s=0.1", "--", sys.executable, "-c", host, mode]
+    starts = lambda: open(tmp_path / "starts").read().split()
+    out = subprocess.run(launcher("fail"), cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 5
+    assert sorted(starts()) == ["0", "0", "1", "1", "2", "2"]
+    assert out.stderr.strip().splitlines()[-1].startswith("error: host 1 exited with status 5 after 2 automatic "
+                                                          "restart(s)")
+    os.remove(tmp_path / "starts")
+    proc = subprocess.Popen(launcher("wait"), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 60
+    while time.time() < deadline and len(starts() if os.path.exists(tmp_path / "starts") else []) < 2:
+        time.sleep(0.05)
+    time.sleep(0.5)  # (the hosts' SIGTERM handlers set)
+    proc.send_signal(signal.SIGTERM)
+    _, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 3 and starts() == ["0", "0"] and "starting every host again" not in stderr

@@ -12,6 +12,8 @@ killed keeps what it had reached):
   productive_s       steady time of the steps it trained
   checkpoint_s       saves (the part that blocks training), and input positions
   eval_s             evaluations
+  restart            the launcher's automatic restart this launch is (TFPOD_RESTART, set by
+                     `tfpod.launch --max_restarts`; 0: started by a person)
 
 A launch resumed from step s re-trains the steps its predecessors trained past s: their
 productive time is lost to the restart. So, over all launches:
@@ -24,7 +26,7 @@ productive time is lost to the restart. So, over all launches:
             the wait for a relaunch), and the rest (input waits, logging, restoring)
 
 metrics.jsonl gets a record {"kind": "goodput", "step", "goodput", "wall_s", "launches",
-"badput": {cause: share of wall time}} at every save and at the end, and the end of a
+"restarts" (automatic ones), "badput": {cause: share of wall time}} at every save and at the end, and the end of a
 run logs the summary.
 """
 
@@ -85,6 +87,7 @@ def summarize(launches: list[dict]) -> dict:
     parts["other"] = max(0.0, wall - productive - sum(parts.values()))
     share = (lambda x: x / wall) if wall > 0 else (lambda x: 0.0)
     return {"goodput": share(productive), "wall_s": wall, "productive_s": productive, "launches": len(launches),
+            "restarts": sum(1 for l in launches if l.get("restart")),
             "badput": {k: share(v) for k, v in parts.items()}}
 
 
@@ -113,7 +116,8 @@ class Goodput:
         """This launch starts training at `step` (restored, or 0)."""
         now = time.time()
         self.launch = {"start": min(_take_launch_start(), now), "last": now, "first_step": step, "last_step": step,
-                       "startup_s": 0.0, "compile_s": 0.0, "productive_s": 0.0, "checkpoint_s": 0.0, "eval_s": 0.0}
+                       "startup_s": 0.0, "compile_s": 0.0, "productive_s": 0.0, "checkpoint_s": 0.0, "eval_s": 0.0,
+                       "restart": int(os.environ.get("TFPOD_RESTART", "0") or 0)}
         self.record()  # a launch killed while it compiles still counts (a launch killed before this does not)
 
     def steps(self, n: int, seconds: float, step: int) -> None:
@@ -154,5 +158,6 @@ class Goodput:
     def line(summary: dict) -> str:
         """The end-of-run summary line."""
         bad = ", ".join(f"{k.replace('_', ' ')} {v:.1%}" for k, v in summary["badput"].items())
-        return (f"goodput {summary['goodput']:.1%} over {summary['launches']} launch(es), "
+        restarts = f" ({summary['restarts']} automatic restart(s))" if summary.get("restarts") else ""
+        return (f"goodput {summary['goodput']:.1%} over {summary['launches']} launch(es){restarts}, "
                 f"{summary['wall_s']:.0f} s of wall time; badput: {bad}")
