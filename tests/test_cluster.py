@@ -114,6 +114,19 @@ def test_the_jobset_manifest_maps_pods_to_hosts():
     assert layout.num_hosts == job["completions"] == job["parallelism"] and replicated["replicas"] == 1
 
 
+def test_the_manifests_restart_every_host_three_times():
+    """As tfpod.launch --max_restarts=3: a JobSet restarts all its pods when one fails (its
+    Job's backoffLimit 0 fails the Job); an Indexed Job makes failed pods again, and one
+    restart fails every host (the others' collectives fail), so its backoffLimit is hosts x 3."""
+    _, job = manifests("indexed-job.yaml")
+    assert job["spec"]["backoffLimit"] == 3 * job["spec"]["completions"]
+    assert job["spec"]["template"]["spec"]["restartPolicy"] == "Never"
+    (jobset,) = manifests("jobset.yaml")
+    inner = jobset["spec"]["replicatedJobs"][0]["template"]["spec"]
+    assert jobset["spec"]["failurePolicy"]["maxRestarts"] == 3 and inner["backoffLimit"] == 0
+    assert inner["template"]["spec"]["restartPolicy"] == "Never"
+
+
 def test_manifests_validate_against_the_kubernetes_schema():
     import kubernetes_validate as kv
 

@@ -8,6 +8,7 @@ packages and runs `python -m pytest -m slurm tests`.
 import json
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import time
@@ -16,7 +17,7 @@ import numpy as np
 import pytest
 
 from conftest import ROOT
-from test_multihost import SMALL, losses
+from test_multihost import SMALL, logged_losses, losses
 
 from tfpod import api
 
@@ -97,3 +98,42 @@ def test_srun_two_tasks_give_one_processes_losses(slurm, tmp_path):
     np.testing.assert_allclose(losses(tmp_path / "slurm"), losses(tmp_path / "one"), rtol=1e-5)
     assert len(losses(tmp_path / "slurm")) == 4  # host 0 alone writes metrics
     assert json.loads(open(tmp_path / "slurm" / "metrics.jsonl").readline())["step"] == 1
+
+
+def test_a_killed_task_is_restarted_in_the_allocation_and_the_run_ends_as_an_uninterrupted_one(slurm, tmp_path):
+    """examples/slurm/restart.sh around the srun step (as examples/slurm/train.sbatch runs it):
+    task 1 of 2 killed with SIGKILL past a checkpoint ends the step (--kill-on-bad-exit); the
+    script starts it again, it resumes from the newest complete checkpoint, and the run ends
+    with one process's losses for every step; goodput counts the restart."""
+    params = SMALL + ["train.steps=20", "train.synthetic_data=True", "train.steps_per_loop=1",
+                      "train.checkpoint_every=2"]
+    d = tmp_path / "slurm"
+    cmd = ["bash", "examples/slurm/restart.sh", "srun", "-N1", "-n2", "--overcommit", "--kill-on-bad-exit=1",
+           "python", "main.py", "--gin_file=gin/lm_tiny.gin", "--cpu_devices=4", "--mesh=data:4,model:2",
+           f"--model_dir={d}"] + [f"--gin_param={p}" for p in params]
+    env = {k: v for k, v in slurm.items() if not k.startswith("DTENSOR_")}
+    env.update(TFPOD_MAX_RESTARTS="1", TFPOD_RESTART_BACKOFF_S="1")
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 300
+    while time.time() < deadline and proc.poll() is None and not os.path.exists(d / "checkpoints" / "ckpt-4.index"):
+        time.sleep(0.1)
+    tasks = {}
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            environ = open(f"/proc/{pid}/environ", "rb").read().split(b"\0")
+            cmdline = open(f"/proc/{pid}/cmdline", "rb").read()
+        except OSError:
+            continue
+        rank = [v.split(b"=", 1)[1] for v in environ if v.startswith(b"SLURM_PROCID=")]
+        if rank and b"main.py" in cmdline and str(d).encode() in cmdline:
+            tasks[int(rank[0])] = int(pid)
+    assert sorted(tasks) == [0, 1], "the run ended before a task could be killed"
+    os.kill(tasks[1], signal.SIGKILL)
+    stdout, stderr = proc.communicate(timeout=600)
+    assert proc.returncode == 0, (stdout + stderr)[-3000:]
+    assert "starting it again in 1 s, from the newest complete checkpoint (restart 1 of TFPOD_MAX_RESTARTS=1)" in stderr
+    assert [launch["restart"] for launch in json.load(open(d / "goodput.json"))["launches"]] == [0, 1]
+    api.run(["gin/lm_tiny.gin"], params, str(tmp_path / "one"), mode="train", mesh_spec="data:4,model:2")
+    resumed, reference = logged_losses(d), logged_losses(tmp_path / "one")
+    assert sorted(resumed) == sorted(reference) == list(range(1, 21))
+    np.testing.assert_allclose([resumed[s] for s in range(1, 21)], [reference[s] for s in range(1, 21)], rtol=1e-5)
