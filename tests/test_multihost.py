@@ -292,6 +292,26 @@ def test_two_hosts_train_lora_adapters_with_one_devices_losses(tmp_path, gin_fil
         if "/kernel/" in key and "OPTIMIZER" not in key:  # frozen: as initialized, on any mesh
             np.testing.assert_array_equal(tf.train.load_variable(two, key), tf.train.load_variable(one, key))
 
+def restartable_run(d, extra):
+    """20 steps of the small GPT on 2 hosts (data:2,model:4) under tfpod.launch --max_restarts=1,
+    started and left running once ckpt-4 is written: (the launcher, {host: pid})."""
+    cmd = [sys.executable, "-m", "tfpod.launch", "--num_hosts=2", "--devices_per_host=4", "--max_restarts=1",
+           "--restart_backoff_s=0.5", "--", *main_command(*main_args(d, 20, extra, mesh="data:2,model:4"))]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 300
+    while time.time() < deadline and proc.poll() is None and not os.path.exists(d / "checkpoints" / "ckpt-4.index"):
+        time.sleep(0.1)
+    return proc, {client: pid for pid, client in host_pids(d).items()}
+
+
+def assert_one_devices_losses(d, extra, one):
+    """Every step of run `d` (20 steps, replayed ones by their last value) has one device's loss."""
+    run(["gin/lm_tiny.gin"], SMALL + extra + ["train.steps=20"], str(one), mesh=device_mesh())
+    reference, resumed = logged_losses(one), logged_losses(d)
+    assert sorted(resumed) == list(range(1, 21))
+    np.testing.assert_allclose([resumed[s] for s in range(1, 21)], [reference[s] for s in range(1, 21)], rtol=1e-5)
+
+
 def test_the_launcher_restarts_every_host_after_one_is_killed_and_the_run_ends_as_an_uninterrupted_one(tmp_path):
     """tfpod.launch --max_restarts=1: host 1 of 2 killed with SIGKILL past a checkpoint; the
     launcher stops host 0, starts both again after its backoff (TFPOD_RESTART=1), they resume
@@ -299,13 +319,7 @@ def test_the_launcher_restarts_every_host_after_one_is_killed_and_the_run_ends_a
     uninterrupted run; goodput counts the automatic restart."""
     d = tmp_path / "run"
     extra = ["train.synthetic_data=True", "train.steps_per_loop=1", "train.checkpoint_every=2"]
-    cmd = [sys.executable, "-m", "tfpod.launch", "--num_hosts=2", "--devices_per_host=4", "--max_restarts=1",
-           "--restart_backoff_s=0.5", "--", *main_command(*main_args(d, 20, extra, mesh="data:2,model:4"))]
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    deadline = time.time() + 300
-    while time.time() < deadline and proc.poll() is None and not os.path.exists(d / "checkpoints" / "ckpt-4.index"):
-        time.sleep(0.1)
-    hosts = {client: pid for pid, client in host_pids(d).items()}
+    proc, hosts = restartable_run(d, extra)
     assert sorted(hosts) == [0, 1], "the run ended before a host could be killed"
     os.kill(hosts[1], signal.SIGKILL)
     stdout, stderr = proc.communicate(timeout=600)
@@ -316,10 +330,7 @@ def test_the_launcher_restarts_every_host_after_one_is_killed_and_the_run_ends_a
     history = json.load(open(d / "goodput.json"))["launches"]
     assert [launch["restart"] for launch in history] == [0, 1]
     assert "(1 automatic restart(s))" in stdout
-    run(["gin/lm_tiny.gin"], SMALL + extra + ["train.steps=20"], str(tmp_path / "one"), mesh=device_mesh())
-    reference, resumed = logged_losses(tmp_path / "one"), logged_losses(d)
-    assert sorted(resumed) == list(range(1, 21))
-    np.testing.assert_allclose([resumed[s] for s in range(1, 21)], [reference[s] for s in range(1, 21)], rtol=1e-5)
+    assert_one_devices_losses(d, extra, tmp_path / "one")
 
 
 @pytest.mark.unit
@@ -349,3 +360,24 @@ def test_the_launcher_never_restarts_after_a_sigterm_and_stops_after_max_restart
     proc.send_signal(signal.SIGTERM)
     _, stderr = proc.communicate(timeout=60)
     assert proc.returncode == 3 and starts() == ["0", "0"] and "starting every host again" not in stderr
+
+
+def test_a_stopped_host_is_caught_by_the_hang_watchdog_and_the_launcher_restarts_the_run(tmp_path):
+    """Host 1 of 2 stopped with SIGSTOP mid-training: host 0 waits for it in a collective until
+    its hang watchdog (tfpod.watchdog; train.hang_min_s=5 here, under the coordination
+    service's own timeout) writes every thread's stack and exits 124; tfpod.launch
+    --max_restarts=1 stops host 1 and starts both again, and the run ends with one device's
+    losses for every step."""
+    d = tmp_path / "run"
+    extra = ["train.synthetic_data=True", "train.steps_per_loop=1", "train.checkpoint_every=2",
+             "train.hang_min_s=5", "train.hang_factor=10"]
+    proc, hosts = restartable_run(d, extra)
+    assert sorted(hosts) == [0, 1], "the run ended before a host could be stopped"
+    os.kill(hosts[1], signal.SIGSTOP)
+    stdout, stderr = proc.communicate(timeout=600)
+    assert proc.returncode == 0, (stdout + stderr)[-3000:]
+    assert re.search(r"\[host 0\] error: hung: nothing finished in \d+\.\d s \(training steps \d+\.\.\d+, at step \d+\)",
+                     stdout), stdout[-3000:]
+    assert "[host 0] Thread 0x" in stdout or "[host 0] Current thread" in stdout  # its stacks
+    assert "launcher: host 0 exited with status 124: starting every host again" in stderr
+    assert_one_devices_losses(d, extra, tmp_path / "one")

@@ -25,7 +25,7 @@ from typing import Mapping
 import numpy as np
 
 from tfpod import (UserError, actions, checkpoint, feeding, flops, goodput, lora, mesh as meshlib, nonfinite,
-                   preemption, runtime)
+                   preemption, runtime, watchdog)
 from tfpod.metrics_writer import MetricsWriter, Throughput
 from tfpod.precision import PRECISIONS
 from tfpod.trainer import Trainer
@@ -76,6 +76,12 @@ class TrainConfig:
         (tfpod.checkpoint_writer); the next save, a restore, SIGTERM and the end of training
         wait for it. A checkpoint counts once it is whole, so keep_checkpoints complete
         ones stay on disk while one is written. On one host or many.
+      hang_timeout_s: the hang watchdog (tfpod.watchdog): the first call of the compiled
+        loop (it compiles) and the work between calls (logging, saves, evaluations) may take
+        this long; past it the host writes every thread's stack and exits with status 124,
+        for its supervisor to restart the run (tfpod.launch --max_restarts). 0: no watchdog.
+      hang_factor: a later call may take this many times the median call (per step) ...
+      hang_min_s: ... but at least this long.
     """
 
     steps: int = 100
@@ -97,6 +103,9 @@ class TrainConfig:
     microbatches: int = 1
     init_from: str | None = None
     async_checkpoint: bool = False
+    hang_timeout_s: float = 1800.0
+    hang_factor: float = 20.0
+    hang_min_s: float = 60.0
 
     def reached(self, result: Mapping[str, float], lower_is_better=frozenset({"loss", "perplexity"})) -> bool:
         """Whether an eval result reaches the target (never without one); `lower_is_better`:
@@ -120,6 +129,9 @@ class TrainConfig:
             raise UserError(f"train.precision={self.precision!r}: use one of {', '.join(PRECISIONS)}")
         if self.on_nonfinite not in nonfinite.POLICIES:
             raise UserError(f"train.on_nonfinite={self.on_nonfinite!r}: use one of {', '.join(nonfinite.POLICIES)}")
+        if self.hang_timeout_s < 0 or self.hang_factor < 1 or self.hang_min_s <= 0:
+            raise UserError(f"train.hang_timeout_s={self.hang_timeout_s} (>= 0; 0: off), train.hang_factor="
+                            f"{self.hang_factor} (>= 1) and train.hang_min_s={self.hang_min_s} (> 0) are out of range")
         if self.max_nonfinite < 1:
             raise UserError(f"train.max_nonfinite={self.max_nonfinite} must be at least 1")
 
@@ -163,7 +175,8 @@ class Controller:
         units = self.info.num_clients if (self.info.device_type == "CPU" and not config.peak_flops) \
             else self.info.num_global_devices
         self.writer = MetricsWriter(model_dir, self.is_chief, config.steps, Throughput(
-            config.global_batch_size, tokens_per_step, task.step_flops_per_token(trainer.model_config, trainer.specs) * tokens_per_step,
+            config.global_batch_size, tokens_per_step,
+            task.step_flops_per_token(trainer.model_config, trainer.specs) * tokens_per_step,
             per_device * units))
         self._restored: tuple[int | None] | None = None
 
@@ -256,33 +269,41 @@ class Controller:
         self._rate, self._traces_seen, self._calls = None, self.trainer.traces, 0
         self.writer.reset_window()
         stop = None
+        hang = watchdog.Watchdog(c.hang_timeout_s, c.hang_factor, c.hang_min_s)
 
-        # A host lost in any collective below (step, preemption agreement, eval, save) is one error line.
-        with runtime.stop_on_lost_host(lambda: self.checkpoints.latest), \
-                preemption.Preemption(self._agree if self.info.num_clients > 1 else None) as preempt:
-            if preempt.requested():  # during start-up: nothing new to save
-                log.warning("preempted before the first step: nothing new to save; rerun the same command to resume")
-                return {"step": step, "loss": None, "losses": [], "preempted": True}
-            run_actions, metrics = self.make_actions(feed, eval_batches, run_files, preempt, t_start)
-            while step < c.steps:
-                n = self._next_boundary(step) - step
-                losses, norms = self._call(feeding.stack([next(batches) for _ in range(n)], c.steps_per_loop), n, step)
-                self.goodput.steps(n, self._last_call_s, step + n)
-                outcome = actions.Outcome(step, losses, norms, c.steps)
-                for action in run_actions:
-                    action(outcome)
-                    if outcome.rolled_back_to is not None:
+        try:  # (the watchdog stops however training ends)
+            # A host lost in any collective below (step, preemption agreement, eval, save) is one error line.
+            with runtime.stop_on_lost_host(lambda: self.checkpoints.latest), \
+                    preemption.Preemption(self._agree if self.info.num_clients > 1 else None) as preempt:
+                if preempt.requested():  # during start-up: nothing new to save
+                    log.warning("preempted before the first step: nothing new to save; rerun the same command to "
+                                "resume")
+                    return {"step": step, "loss": None, "losses": [], "preempted": True}
+                run_actions, metrics = self.make_actions(feed, eval_batches, run_files, preempt, t_start)
+                while step < c.steps:
+                    n = self._next_boundary(step) - step
+                    hang.before_call(step, n)
+                    batch = feeding.stack([next(batches) for _ in range(n)], c.steps_per_loop)
+                    losses, norms = self._call(batch, n, step)
+                    hang.after_call(step, n, self._last_call_s)
+                    self.goodput.steps(n, self._last_call_s, step + n)
+                    outcome = actions.Outcome(step, losses, norms, c.steps)
+                    for action in run_actions:
+                        action(outcome)
+                        if outcome.rolled_back_to is not None:
+                            break
+                    if outcome.rolled_back_to is not None:  # the weights, slots and step are the checkpoint's again
+                        del losses_so_far[max(0, outcome.rolled_back_to - start_step):]
+                        step = outcome.rolled_back_to
+                        self.writer.reset_window()
+                        continue
+                    step = outcome.end
+                    losses_so_far.extend(float(x) for x in losses)
+                    if outcome.last:
+                        stop = outcome.stop
                         break
-                if outcome.rolled_back_to is not None:  # the weights, slots and step are the checkpoint's again
-                    del losses_so_far[max(0, outcome.rolled_back_to - start_step):]
-                    step = outcome.rolled_back_to
-                    self.writer.reset_window()
-                    continue
-                step = outcome.end
-                losses_so_far.extend(float(x) for x in losses)
-                if outcome.last:
-                    stop = outcome.stop
-                    break
+        finally:
+            hang.stop()
         self.checkpoints.wait()  # a checkpoint written in the background (train.async_checkpoint) is complete
         summary = self.goodput.record()
         self.writer.goodput(step, summary)

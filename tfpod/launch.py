@@ -9,9 +9,9 @@ with `[host h]`. When any host exits non-zero, the others are killed (they canno
 without it; the last complete checkpoint is intact) and the launcher exits non-zero with
 one line naming that host; with `--max_restarts=N` it instead starts every host again, up
 to N times with a doubling backoff (`--restart_backoff_s`), and they resume from the newest
-complete checkpoint (each host sees TFPOD_RESTART=k; goodput counts the restarts). SIGTERM to the launcher (a preemption notice) is passed to
-every host: they finish the current step, save a checkpoint and exit 0, and so does the
-launcher. On a real cluster run the same command once per host with the same DTENSOR_*
+complete checkpoint (each host sees TFPOD_RESTART=k; goodput counts the restarts).
+SIGTERM to the launcher (a preemption notice) is passed to every host: they finish the
+current step, save a checkpoint and exit 0, and so does the launcher, never restarting. On a real cluster run the same command once per host with the same DTENSOR_*
 variables (see README).
 """
 
