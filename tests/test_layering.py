@@ -20,7 +20,7 @@ LAYERS = [
     {"run API and config": ("tfpod.api", "tfpod.config", "tfpod.export"),
      "Keras front end": ("tfpod.keras",)},
     {"controller and its actions": ("tfpod.controller", "tfpod.actions", "tfpod.nonfinite", "tfpod.feeding", "tfpod.input_position",
-                                    "tfpod.metrics_writer", "tfpod.goodput", "tfpod.checkpoint", "tfpod.watchdog",
+                                    "tfpod.metrics_writer", "tfpod.goodput", "tfpod.checkpoint", "tfpod.watchdog", "tfpod.faults",
                                     "tfpod.checkpoint_writer"),
      "planner": ("tfpod.plan",)},
     {"trainer and pipeline": ("tfpod.trainer", "tfpod.train_state", "tfpod.pipeline"), "models": ("tfpod.models",)},

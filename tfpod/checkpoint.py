@@ -133,6 +133,7 @@ class CheckpointManager:
         with self._mesh():
             self._ckpt.save_counter  # created now (tf.train.Checkpoint makes it at the first save), so every copy holds it
         self._checked = None  # (step, this host's copy of the state) from `check_finite`
+        self.fault = None  # tfpod.faults.Injector.at_save, for tests and soaks
 
     @property
     def latest(self) -> str | None:
@@ -206,7 +207,8 @@ class CheckpointManager:
             except NonfiniteCheckpoint as e:  # written by an older tfpod, or by hand: never resumed from
                 self._set_aside(path, "nonfinite", f"holds non-finite values ({e})")
                 continue
-            except (tf.errors.OpError, RuntimeError) as e:  # every host finds the same files corrupt
+            except (tf.errors.OpError, RuntimeError, IndexError) as e:  # every host finds the same files corrupt
+                # (IndexError: a data file cut short, "Read less bytes than requested")
                 self._set_aside(path, "corrupt", f"is corrupt ({first_line(e)})")
                 continue
             self._restore(path, fix)
@@ -270,11 +272,13 @@ class CheckpointManager:
             # is a plain variable on this host's CPU, and under a default mesh each of the mesh's
             # devices added its own 1 to it, racing (a save counted 6 to 8, and its copy could
             # read the count before the last of them).
+            path = os.path.join(self.directory, f"ckpt-{step}")
+            if self.fault:
+                self.fault(step, path, written=False)
             self._ckpt.save_counter.assign_add(1)
             counter = self._writer.copy({SAVE_COUNTER: self._ckpt.save_counter})
             with self._mesh():
                 entries = [e for e in entries if e[0] != SAVE_COUNTER] + counter
-                path = os.path.join(self.directory, f"ckpt-{step}")
                 held = self._writer.start(path, lambda p: compat.record_checkpoint(self._manager, p), entries)
                 del entries
                 if not self._async:
@@ -287,6 +291,8 @@ class CheckpointManager:
                      path, report.human_bytes(held), copied)
         else:
             log.info("saved checkpoint %s", path)
+            if self.fault:
+                self.fault(step, path, written=True)
         return path
 
     def wait(self) -> None:
@@ -422,6 +428,7 @@ def verify(path: str) -> None:
 
     Raises:
       tf.errors.OpError: a file is corrupt or truncated (a checksum or the format fails).
+      IndexError: a data file is shorter than its index says (TensorFlow's reader).
       NonfiniteCheckpoint: a tensor holds a NaN or Inf (names the first).
     """
     reader = tf.train.load_checkpoint(path)

@@ -25,7 +25,7 @@ from typing import Mapping
 import numpy as np
 
 from tfpod import (UserError, actions, checkpoint, feeding, flops, goodput, lora, mesh as meshlib, nonfinite,
-                   preemption, runtime, watchdog)
+                   faults, preemption, runtime, watchdog)
 from tfpod.metrics_writer import MetricsWriter, Throughput
 from tfpod.precision import PRECISIONS
 from tfpod.trainer import Trainer
@@ -270,6 +270,8 @@ class Controller:
         self.writer.reset_window()
         stop = None
         hang = watchdog.Watchdog(c.hang_timeout_s, c.hang_factor, c.hang_min_s)
+        injector = faults.Injector(self.model_dir, self.info.client_id, self.info.num_clients, c.steps)
+        self.checkpoints.fault = injector.at_save if injector.pending else None
 
         try:  # (the watchdog stops however training ends)
             # A host lost in any collective below (step, preemption agreement, eval, save) is one error line.
@@ -283,7 +285,8 @@ class Controller:
                 while step < c.steps:
                     n = self._next_boundary(step) - step
                     hang.before_call(step, n)
-                    batch = feeding.stack([next(batches) for _ in range(n)], c.steps_per_loop)
+                    batch = injector.before_call(step, n, feeding.stack([next(batches) for _ in range(n)],
+                                                                        c.steps_per_loop))
                     losses, norms = self._call(batch, n, step)
                     hang.after_call(step, n, self._last_call_s)
                     self.goodput.steps(n, self._last_call_s, step + n)
