@@ -1,6 +1,6 @@
 """Soak: train_and_eval under random kills and relaunches, checked against an uninterrupted run.
 
-    python bench/soak.py [--seconds=600] [--steps=60] [--hosts=1] [--min_gap=3] [--max_gap=20]
+    python bench/soak.py [--seconds=600] [--steps=60] [--hosts=1] [--min_gap=3] [--max_gap=20] [--faults=N]
         [--sigterm_fraction=0.25] [--seed=0] [--out=runs/soak]
 
 First an uninterrupted reference: `main.py --mode=train_and_eval` on the default corpus
@@ -20,6 +20,13 @@ checkpoint (weights and optimizer slots). The last line is one JSON object:
 own account over all its launches, tfpod.goodput: goodput and badput by cause),
 "reference_goodput", ...}; the script exits 1 when a launch fails for another reason or
 the run is not exact.
+
+With --faults=N it injects faults instead of killing (tfpod.faults, TFPOD_FAULT): N faults,
+the kinds exception, kill, hang, nonfinite, ckpt_fail and ckpt_truncate in turn, at seeded
+random steps and hosts, in one run under `tfpod.launch --max_restarts` (the hang watchdog at
+5 s); the JSON adds "faults_fired", "kinds", "restarts", "steps_trained_again_per_fault"
+and "recovery_s_per_fault" (from a failed launch's last record to its successor's first
+steady step, tfpod.goodput's records).
 """
 
 from __future__ import annotations
@@ -28,6 +35,7 @@ import argparse
 import json
 import os
 import random
+import re
 import shutil
 import signal
 import subprocess
@@ -112,6 +120,49 @@ def checkpoint_dev(a: str, b: str) -> float:
                for k in keys)
 
 
+FAULT_KINDS = ("exception", "kill", "hang", "nonfinite", "ckpt_fail", "ckpt_truncate")
+
+
+def fault_spec(args, rng) -> str:
+    """--faults=N: N faults of the kinds in turn at seeded random steps (the checkpoint kinds at
+    checkpoint steps) and hosts, no two at one (kind, step, host): a TFPOD_FAULT value."""
+    chosen = set()
+    while len(chosen) < args.faults:
+        kind = FAULT_KINDS[len(chosen) % len(FAULT_KINDS)]
+        every = args.checkpoint_every if kind.startswith("ckpt_") else 1
+        step = every * rng.randint(max(1, 2 // every), (args.steps - 1) // every)
+        chosen.add((kind, step, rng.randrange(args.hosts)))
+    return ",".join(f"{k}@{s}:{h}" for k, s, h in sorted(chosen, key=lambda f: f[1]))
+
+
+def soak_faults(args, run_dir: str, eval_file: str, rng, log) -> dict:
+    """One launch under tfpod.launch --max_restarts with TFPOD_FAULT: what it survived and the cost."""
+    spec = fault_spec(args, rng)
+    main = main_command(args, run_dir, eval_file)
+    main = main[main.index("--") + 1:] if args.hosts > 1 else [a for a in main if a != "--cpu_devices=8"]
+    main += ["--gin_param=train.hang_min_s=5", "--gin_param=train.hang_factor=10"]
+    cmd = [sys.executable, "-m", "tfpod.launch", f"--num_hosts={args.hosts}", f"--devices_per_host={8 // args.hosts}",
+           f"--max_restarts={args.faults + 5}", "--restart_backoff_s=0.5", "--"] + main
+    log(f"TFPOD_FAULT={spec}")
+    with open(os.path.join(args.out, "faults.log"), "w+") as output:
+        proc = subprocess.run(cmd, cwd=ROOT, stdout=output, stderr=subprocess.STDOUT, text=True,
+                              env=dict(os.environ, TFPOD_FAULT=spec))
+        output.seek(0)
+        out = output.read()
+    fired = sorted(set(re.findall(r"fault injected: (\S+) on host", out)))
+    history = json.load(open(os.path.join(run_dir, "goodput.json")))["launches"]
+    # from a failed launch's last record to its successor's first steady step
+    recover = [b["start"] + b["startup_s"] + b["compile_s"] - a["last"] for a, b in zip(history, history[1:])]
+    trained = [r for r in records_of(run_dir) if r.get("kind") == "train"]
+    return {"faults": spec, "faults_fired": len(fired), "kinds": sorted({f.split("@")[0] for f in fired}),
+            "restarts": out.count("starting every host again"), "launcher_exit": proc.returncode,
+            "steps_trained_again_per_fault": round((len(trained) - len({r["step"] for r in trained}))
+                                                   / max(1, len(fired)), 2),
+            "recovery_s_per_fault": round(sum(recover) / max(1, len(recover)), 1),
+            "failure": None if proc.returncode == 0 else f"the launcher exited {proc.returncode}: "
+                                                          f"{out.strip().splitlines()[-1:]}"}
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--seconds", type=float, default=600, help="how long to keep killing and relaunching")
@@ -123,6 +174,9 @@ def main() -> int:
     parser.add_argument("--max_gap", type=float, default=20, help="most seconds between a launch and its kill")
     parser.add_argument("--sigterm_fraction", type=float, default=0.25, help="share of kills that are SIGTERM")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--faults", type=int, default=0,
+                        help="instead of kills: this many injected faults (tfpod.faults; kinds in turn: "
+                             + ", ".join(FAULT_KINDS) + ") in one run under tfpod.launch --max_restarts")
     parser.add_argument("--out", default=os.path.join(ROOT, "runs", "soak"))
     args = parser.parse_args()
     rng = random.Random(args.seed)
@@ -142,7 +196,10 @@ def main() -> int:
     log(f"reference: {args.steps} steps in {time.time() - t0:.0f}s")
 
     t_start, kills, sigterms, launches, failure = time.time(), 0, 0, 0, None
-    while True:
+    injected = soak_faults(args, run_dir, eval_file, rng, log) if args.faults else None
+    if injected:
+        failure, launches = injected.pop("failure"), injected["restarts"] + 1
+    while not injected:
         launches += 1
         output = open(os.path.join(args.out, f"launch-{launches}.log"), "w+")  # a file: a pipe could fill and block
         proc = subprocess.Popen(main_command(args, run_dir, eval_file), cwd=ROOT, stdout=output,
@@ -194,7 +251,7 @@ def main() -> int:
     result = {"kills": kills, "sigterms": sigterms, "launches": launches, "steps": args.steps, "hosts": args.hosts,
               "evals": len(want_eval), "max_loss_rel_dev": loss_dev, "max_eval_rel_dev": eval_dev,
               "max_weight_abs_dev": weight_dev, "missing_steps": missing, "exact": exact,
-              "seconds": round(seconds, 1), "failure": failure}
+              "seconds": round(seconds, 1), "failure": failure, **(injected or {})}
     good = [r for r in records_of(run_dir) if r.get("kind") == "goodput"]
     if good:  # the run's own account over all its launches (tfpod.goodput), against the uninterrupted one's
         result["goodput"] = {k: good[-1][k] for k in ("goodput", "badput", "launches", "wall_s")}
