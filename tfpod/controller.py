@@ -80,7 +80,8 @@ class TrainConfig:
         loop (it compiles) and the work between calls (logging, saves, evaluations) may take
         this long; past it the host writes every thread's stack and exits with status 124,
         for its supervisor to restart the run (tfpod.launch --max_restarts). 0: no watchdog.
-      hang_factor: a later call may take this many times the median call (per step) ...
+      hang_factor: a later call may take this many times the median call (per step; the
+        second call: as long as the first) ...
       hang_min_s: ... but at least this long.
     """
 

@@ -4,7 +4,7 @@
 The Controller arms it before each call of the compiled loop and before the work between
 calls (logging, saves, evaluations). A call may take `hang_factor` x the median call so far
 (per step, at least `hang_min_s`); the first call (it compiles) and the work between calls
-may take `hang_timeout_s`. Past its limit the watchdog writes one `error: hung` line naming
+may take `hang_timeout_s`, the second call as long as the first (at least `hang_min_s`). Past its limit the watchdog writes one `error: hung` line naming
 the step and what it was doing, every thread's Python stack (faulthandler), and ends the
 process with EXIT_HUNG. A host stopped by the OS (SIGSTOP) cannot notice its own hang: the
 other hosts, waiting for it in a collective, do.
@@ -36,6 +36,7 @@ class Watchdog:
         self._exit, self._out = exit, out
         self._per_step: list[float] = []  # seconds per step of each call after the first
         self._calls = 0
+        self._first_s = None  # the first call's seconds (it compiles)
         self._deadline = None  # (time, limit, step, what) or None: disarmed
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -46,8 +47,10 @@ class Watchdog:
 
     def call_limit(self, n: int) -> float:
         """The limit of a call of `n` steps."""
-        if len(self._per_step) < 1:
+        if self._first_s is None:
             return self.timeout_s
+        if not self._per_step:  # the second call: as long as the first (compiling) one, at least min_s
+            return max(self.min_s, self._first_s)
         return max(self.min_s, self.factor * statistics.median(self._per_step[-100:]) * n)
 
     def before_call(self, step: int, n: int) -> None:
@@ -59,6 +62,8 @@ class Watchdog:
         self._calls += 1
         if self._calls > 1:  # the first call compiles
             self._per_step.append(seconds / max(1, n))
+        else:
+            self._first_s = seconds
         self._arm(self.timeout_s, step + n, f"after step {step + n} (logging, saving or evaluating)")
 
     def stop(self) -> None:
