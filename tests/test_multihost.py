@@ -49,8 +49,9 @@ def logged_losses(model_dir) -> dict[int, float]:
     return out
 
 
-def host_pids(model_dir) -> dict[int, int]:
-    """The processes of the hosts training in model_dir: pid -> DTensor client id (from their env)."""
+def host_pids(model_dir, variable: str = "DTENSOR_CLIENT_ID") -> dict[int, int]:
+    """The processes of the hosts training in model_dir: pid -> their host id (the environment
+    `variable`: DTensor's client id, or SLURM_PROCID under srun)."""
     pids = {}
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
@@ -58,7 +59,7 @@ def host_pids(model_dir) -> dict[int, int]:
             cmdline = open(f"/proc/{pid}/cmdline", "rb").read()
         except OSError:
             continue
-        client = [v.split(b"=", 1)[1] for v in env if v.startswith(b"DTENSOR_CLIENT_ID=")]
+        client = [v.split(b"=", 1)[1] for v in env if v.startswith(f"{variable}=".encode())]
         if client and str(model_dir).encode() in cmdline:
             pids[int(pid)] = int(client[0])
     return pids

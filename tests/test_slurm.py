@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from conftest import ROOT
-from test_multihost import SMALL, logged_losses, losses
+from test_multihost import SMALL, host_pids, logged_losses, losses
 
 from tfpod import api
 
@@ -117,16 +117,7 @@ def test_a_killed_task_is_restarted_in_the_allocation_and_the_run_ends_as_an_uni
     deadline = time.time() + 300
     while time.time() < deadline and proc.poll() is None and not os.path.exists(d / "checkpoints" / "ckpt-4.index"):
         time.sleep(0.1)
-    tasks = {}
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            environ = open(f"/proc/{pid}/environ", "rb").read().split(b"\0")
-            cmdline = open(f"/proc/{pid}/cmdline", "rb").read()
-        except OSError:
-            continue
-        rank = [v.split(b"=", 1)[1] for v in environ if v.startswith(b"SLURM_PROCID=")]
-        if rank and b"main.py" in cmdline and str(d).encode() in cmdline:
-            tasks[int(rank[0])] = int(pid)
+    tasks = {rank: pid for pid, rank in host_pids(d, "SLURM_PROCID").items()}
     assert sorted(tasks) == [0, 1], "the run ended before a task could be killed"
     os.kill(tasks[1], signal.SIGKILL)
     stdout, stderr = proc.communicate(timeout=600)
