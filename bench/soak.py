@@ -1,7 +1,7 @@
 """Soak: train_and_eval under random kills and relaunches, checked against an uninterrupted run.
 
     python bench/soak.py [--seconds=600] [--steps=60] [--hosts=1] [--min_gap=3] [--max_gap=20] [--faults=N]
-        [--sigterm_fraction=0.25] [--seed=0] [--out=runs/soak]
+        [--memory_every=N] [--sigterm_fraction=0.25] [--seed=0] [--out=runs/soak]
 
 First an uninterrupted reference: `main.py --mode=train_and_eval` on the default corpus
 (a small GPT with dropout, real tokenized and packed input, an eval every few steps, a
@@ -22,11 +22,13 @@ own account over all its launches, tfpod.goodput: goodput and badput by cause),
 the run is not exact.
 
 With --faults=N it injects faults instead of killing (tfpod.faults, TFPOD_FAULT): N faults,
-the kinds exception, kill, hang, nonfinite, ckpt_fail and ckpt_truncate in turn, at seeded
-random steps and hosts, in one run under `tfpod.launch --max_restarts` (the hang watchdog at
-5 s); the JSON adds "faults_fired", "kinds", "restarts", "steps_trained_again_per_fault"
-and "recovery_s_per_fault" (from a failed launch's last record to its successor's first
-steady step, tfpod.goodput's records).
+the kinds exception, kill, hang, nonfinite, ckpt_fail, ckpt_truncate and slow (0.3 s before
+every call until the next restart) in turn, at seeded random steps and hosts, in one run under
+`tfpod.launch --max_restarts` (the hang watchdog at 5 s); the JSON adds "faults_fired",
+"kinds", "restarts", "steps_trained_again_per_fault" (per fault that ended a launch),
+"memory_restores" and "recovery_s_per_fault" (from a failed launch's last record to its
+successor's first steady step, tfpod.goodput's records). --memory_every=N adds in-memory
+snapshots (train.memory_checkpoint_every): restarts then read memory where it is newer.
 """
 
 from __future__ import annotations
@@ -50,7 +52,7 @@ def main_command(args, model_dir: str, eval_file: str) -> list[str]:
               f"train.steps={args.steps}", "train.global_batch_size=16", "train.steps_per_loop=1", "train.log_every=1",
               f"train.checkpoint_every={args.checkpoint_every}", f"train.eval_every={args.eval_every}",
               f"train.seed={args.seed}", "optimizer.warmup_steps=0", f"optimizer.decay_steps={args.steps}",
-              f"lm_data.eval_files='{eval_file}'"]
+              f"lm_data.eval_files='{eval_file}'", f"train.memory_checkpoint_every={args.memory_every}"]
     main = [sys.executable, os.path.join(ROOT, "main.py"), "--gin_file=gin/lm_tiny.gin", "--mesh=data:8",
             "--mode=train_and_eval", f"--model_dir={model_dir}"] + [f"--gin_param={p}" for p in params]
     if args.hosts == 1:
@@ -120,7 +122,8 @@ def checkpoint_dev(a: str, b: str) -> float:
                for k in keys)
 
 
-FAULT_KINDS = ("exception", "kill", "hang", "nonfinite", "ckpt_fail", "ckpt_truncate")
+FAULT_KINDS = ("exception", "kill", "hang", "nonfinite", "ckpt_fail", "ckpt_truncate", "slow")
+SLOW_S = 0.3  # a slow host's sleep before every call (until the next restart)
 
 
 def fault_spec(args, rng) -> str:
@@ -132,7 +135,7 @@ def fault_spec(args, rng) -> str:
         every = args.checkpoint_every if kind.startswith("ckpt_") else 1
         step = every * rng.randint(max(1, 2 // every), (args.steps - 1) // every)
         chosen.add((kind, step, rng.randrange(args.hosts)))
-    return ",".join(f"{k}@{s}:{h}" for k, s, h in sorted(chosen, key=lambda f: f[1]))
+    return ",".join(f"{k}@{s}:{h}" + (f"={SLOW_S}" if k == "slow" else "") for k, s, h in sorted(chosen, key=lambda f: f[1]))
 
 
 def soak_faults(args, run_dir: str, eval_file: str, rng, log) -> dict:
@@ -150,6 +153,7 @@ def soak_faults(args, run_dir: str, eval_file: str, rng, log) -> dict:
         output.seek(0)
         out = output.read()
     fired = sorted(set(re.findall(r"fault injected: (\S+) on host", out)))
+    ending = [f for f in fired if not f.startswith("slow@")]  # a slow host ends no launch
     history = json.load(open(os.path.join(run_dir, "goodput.json")))["launches"]
     # from a failed launch's last record to its successor's first steady step
     recover = [b["start"] + b["startup_s"] + b["compile_s"] - a["last"] for a, b in zip(history, history[1:])]
@@ -157,7 +161,8 @@ def soak_faults(args, run_dir: str, eval_file: str, rng, log) -> dict:
     return {"faults": spec, "faults_fired": len(fired), "kinds": sorted({f.split("@")[0] for f in fired}),
             "restarts": out.count("starting every host again"), "launcher_exit": proc.returncode,
             "steps_trained_again_per_fault": round((len(trained) - len({r["step"] for r in trained}))
-                                                   / max(1, len(fired)), 2),
+                                                   / max(1, len(ending)), 2),
+            "memory_restores": out.count("resumed from the in-memory snapshot") // args.hosts,
             "recovery_s_per_fault": round(sum(recover) / max(1, len(recover)), 1),
             "failure": None if proc.returncode == 0 else f"the launcher exited {proc.returncode}: "
                                                           f"{out.strip().splitlines()[-1:]}"}
@@ -177,6 +182,8 @@ def main() -> int:
     parser.add_argument("--faults", type=int, default=0,
                         help="instead of kills: this many injected faults (tfpod.faults; kinds in turn: "
                              + ", ".join(FAULT_KINDS) + ") in one run under tfpod.launch --max_restarts")
+    parser.add_argument("--memory_every", type=int, default=0,
+                        help="in-memory snapshots every this many steps (train.memory_checkpoint_every; 0: off)")
     parser.add_argument("--out", default=os.path.join(ROOT, "runs", "soak"))
     args = parser.parse_args()
     rng = random.Random(args.seed)

@@ -21,6 +21,7 @@ LAYERS = [
      "Keras front end": ("tfpod.keras",)},
     {"controller and its actions": ("tfpod.controller", "tfpod.actions", "tfpod.nonfinite", "tfpod.feeding", "tfpod.input_position",
                                     "tfpod.metrics_writer", "tfpod.goodput", "tfpod.checkpoint", "tfpod.watchdog", "tfpod.faults",
+                                    "tfpod.memory_checkpoint", "tfpod.peer_link",
                                     "tfpod.checkpoint_writer"),
      "planner": ("tfpod.plan",)},
     {"trainer and pipeline": ("tfpod.trainer", "tfpod.train_state", "tfpod.pipeline"), "models": ("tfpod.models",)},

@@ -13,6 +13,8 @@ checkpoint (`Outcome.rolled_back_to`: the actions after it are skipped for that 
     Preempt        the hosts' agreement on a preemption notice: save and stop after this call
     Checkpointing  the save at train.checkpoint_every and at the last step (input position
                    first, then the state; non-finite state rolls back or stops)
+    MemorySnapshot the in-memory snapshot at train.memory_checkpoint_every between saves
+                   (tfpod.memory_checkpoint)
 """
 
 from __future__ import annotations
@@ -193,3 +195,27 @@ class Checkpointing:
         self.saved(time.time() - started, step)
         self.pending = False
         self.guard.saved()
+
+
+class MemorySnapshot:
+    """Writes each host's in-memory snapshot (tfpod.memory_checkpoint) every `every` steps,
+    unless a storage checkpoint of the step was just written or the step was skipped as
+    non-finite; the last step has its storage checkpoint.
+
+    Args:
+      checkpoints: the run's CheckpointManager (with its `memory`).
+      every: train.memory_checkpoint_every.
+      guard: the run's NonfiniteGuard.
+      feed: the run's feed (its `write_to(folder, step)` writes the input position).
+      saved: (seconds the snapshot took, step) -> None (goodput).
+    """
+
+    def __init__(self, checkpoints: checkpoint.CheckpointManager, every: int, guard: nonfinite.NonfiniteGuard, feed,
+                 saved: Callable[[float, int], None]):
+        self.checkpoints, self.every, self.guard, self.feed, self.saved = checkpoints, every, guard, feed, saved
+
+    def __call__(self, outcome: Outcome) -> None:
+        step = outcome.end
+        if outcome.last or step % self.every or self.guard.skipping or self.checkpoints.saved_step == step:
+            return
+        self.saved(self.checkpoints.snapshot(self.feed.write_to), step)

@@ -225,7 +225,9 @@ def evaluate(c: RunConfigs, model_dir: str, options: RunOptions) -> dict:
     if not os.path.isdir(os.path.join(model_dir, "checkpoints")):
         raise UserError(f"--mode=eval: no checkpoints in {model_dir}: train there first, or pass --model_dir of a "
                         "trained run")
-    run = controller(c.task, c.model, c.train, c.optimizer, session.placement, model_dir, c.data)
+    # (storage's checkpoints only: a live run's in-memory snapshots are its own, tfpod.memory_checkpoint)
+    train_config = dataclasses.replace(c.train, memory_checkpoint_every=0)
+    run = controller(c.task, c.model, train_config, c.optimizer, session.placement, model_dir, c.data)
     step = run.checkpoints.restore(options.checkpoint) if options.checkpoint else run.checkpoints.restore_latest()
     if step is None:
         raise UserError(f"--mode=eval: no complete checkpoint in {model_dir}/checkpoints to evaluate")

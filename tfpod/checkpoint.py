@@ -41,7 +41,7 @@ import numpy as np
 import tensorflow as tf
 from tensorflow.experimental import dtensor
 
-from tfpod import UserError, checkpoint_writer, compat, lora, mesh as meshlib, run_folder, runtime
+from tfpod import UserError, checkpoint_writer, compat, lora, memory_checkpoint, mesh as meshlib, run_folder, runtime
 from tfpod.partitioning import report
 from tfpod.train_state import TrainState
 
@@ -107,9 +107,11 @@ def open_manager(ckpt: tf.train.Checkpoint, directory: str, keep: int, steps: li
 
 
 class CheckpointManager:
-    """Saves and restores a run's TrainState (tfpod.train_state) under model_dir/checkpoints."""
+    """Saves and restores a run's TrainState (tfpod.train_state) under model_dir/checkpoints,
+    and with `memory_every` its snapshots in each host's memory (tfpod.memory_checkpoint)."""
 
-    def __init__(self, model_dir: str, state: TrainState, keep: int = 3, async_save: bool = False):
+    def __init__(self, model_dir: str, state: TrainState, keep: int = 3, async_save: bool = False,
+                 memory_every: int = 0, memory_dir: str | None = None):
         if keep < 1:
             raise UserError(f"train.keep_checkpoints={keep} must be at least 1")
         self.directory = os.path.join(model_dir, "checkpoints")
@@ -134,6 +136,11 @@ class CheckpointManager:
             self._ckpt.save_counter  # created now (tf.train.Checkpoint makes it at the first save), so every copy holds it
         self._checked = None  # (step, this host's copy of the state) from `check_finite`
         self.fault = None  # tfpod.faults.Injector.at_save, for tests and soaks
+        self.memory = None if not memory_every else memory_checkpoint.MemoryCheckpoints(
+            model_dir, dtensor.client_id(), dtensor.num_clients(), memory_dir,
+            lambda: memory_checkpoint.signature(self._ckpt, dtensor.num_clients()))
+        self.restored_input = None  # the folder of the input position the latest restore belongs with, if not storage's
+        self.saved_step = None  # the step of the latest storage save
 
     @property
     def latest(self) -> str | None:
@@ -200,6 +207,14 @@ class CheckpointManager:
             log.warning("the newest checkpoint the list names, %s, has no index (its write did not finish): "
                         "skipping it", latest)
         fix = "use the gin config it was trained with, or a new --model_dir"
+        self.restored_input = None
+        choice = self.memory.choose(complete[-1] if complete else None) if self.memory else None
+        if choice is not None:
+            self._restore(choice.prefix, fix)
+            log.info("resumed from the in-memory snapshot of step %d (%s, %s); the newest storage checkpoint is %s",
+                     choice.step, choice.how, os.path.dirname(choice.prefix), self.latest or "none")
+            self.restored_input = choice.input_dir
+            return int(self._step.numpy())
         for step in reversed(complete):
             path = os.path.join(self.directory, f"ckpt-{step}")
             try:
@@ -250,6 +265,19 @@ class CheckpointManager:
             raise NonfiniteState(step, bad or ["(on another host)"], self.latest)
         self._checked = (step, entries, copied)
 
+    def snapshot(self, write_input) -> float:
+        """Writes this host's in-memory snapshot of the current step (`write_input(folder, step)`:
+        its input position) unless the state holds a NaN or Inf; returns the seconds it took."""
+        started, step = time.time(), int(self._step.numpy())
+        entries, graph = self._writer.local_snapshot()
+        bad = any(value.dtype.is_floating and not np.isfinite(value.numpy()).all() for _, _, value in entries)
+        if (bad if dtensor.num_clients() == 1 else meshlib.any_host(bad, self._step_mesh)):
+            log.warning("no in-memory snapshot of step %d: the state holds NaN or Inf", step)
+            return time.time() - started
+        size = self.memory.save(step, entries, graph, write_input)
+        log.info("in-memory snapshot of step %d: %s in %.2f s", step, report.human_bytes(size), time.time() - started)
+        return time.time() - started
+
     def save(self, checked: bool = False) -> str:
         """Writes a checkpoint of the current step, never of non-finite state (NonfiniteState).
 
@@ -273,6 +301,7 @@ class CheckpointManager:
             # devices added its own 1 to it, racing (a save counted 6 to 8, and its copy could
             # read the count before the last of them).
             path = os.path.join(self.directory, f"ckpt-{step}")
+            self.saved_step = step
             if self.fault:
                 self.fault(step, path, written=False)
             self._ckpt.save_counter.assign_add(1)
@@ -291,9 +320,15 @@ class CheckpointManager:
                      path, report.human_bytes(held), copied)
         else:
             log.info("saved checkpoint %s", path)
+            self._whole(step)
             if self.fault:
                 self.fault(step, path, written=True)
         return path
+
+    def _whole(self, step: int) -> None:
+        """A storage checkpoint of `step` is whole: in-memory snapshots of it and before are of no more use."""
+        if self.memory is not None:
+            self.memory.prune(step)
 
     def wait(self) -> None:
         """Waits for a checkpoint being written in the background (async_save), if any."""
@@ -306,6 +341,7 @@ class CheckpointManager:
         except (tf.errors.OpError, OSError, checkpoint_writer.WriteFailed) as e:
             self._failed(step, e)
         log.info("saved checkpoint %s (written in the background, %.1f s after the step)", path, time.time() - started)
+        self._whole(step)
 
     def _failed(self, step: int, e: BaseException):
         self._remove_partial(step)

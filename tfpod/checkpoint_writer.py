@@ -114,22 +114,32 @@ class BackgroundWriter:
         if self._thread is not None and self._thread.is_alive():
             self._thread.join(None if self._hosts == 1 else multi_host_grace_s)
 
-    def copy(self, variables: dict) -> list[tuple[str, str, tf.Tensor]]:
+    def local_snapshot(self) -> tuple[list[tuple[str, str, tf.Tensor]], bytes]:
+        """Every distinct shard on this host's devices (not only those it writes to a shared
+        checkpoint), with the object graph: a checkpoint this host alone restores from on the
+        same mesh (tfpod.memory_checkpoint)."""
+        variables = compat.checkpoint_objects(self._ckpt)
+        return self.copy(variables, local=True), self._object_graph(len(variables))
+
+    def copy(self, variables: dict, local: bool = False) -> list[tuple[str, str, tf.Tensor]]:
         """[(checkpoint key, slice spec, host copy)] of the shards of `variables` ({key:
-        variable}) this host writes."""
+        variable}) this host writes; `local`: every distinct shard on this host's devices."""
         entries = []
         for key, variable in variables.items():
             value = compat.inner_variable(variable).read_value()
             if not dtensor.is_dtensor(value):  # a plain variable (on one device): host 0 writes it whole
-                if self._host == 0:
+                if self._host == 0 or local:
                     entries.append((key, "", self._copy(value)))
                 continue
             layout = dtensor.fetch_layout(value)
-            split = split_axes(layout)
+            split, seen = split_axes(layout), set()
             for component, location in zip(dtensor.unpack(value), layout.mesh.local_device_locations()):
-                if any(location[axis] != 0 for axis in layout.mesh.dim_names if axis not in split):
+                spec = slice_spec(value.shape.as_list(), layout, location)
+                if (spec in seen) if local else any(location[axis] != 0 for axis in layout.mesh.dim_names
+                                                    if axis not in split):
                     continue  # a replica of a shard that another device writes
-                entries.append((key, slice_spec(value.shape.as_list(), layout, location), self._copy(component)))
+                seen.add(spec)
+                entries.append((key, spec, self._copy(component)))
         return entries
 
     def _copy(self, tensor: tf.Tensor) -> tf.Tensor:

@@ -83,6 +83,12 @@ class TrainConfig:
       hang_factor: a later call may take this many times the median call (per step; the
         second call: as long as the first) ...
       hang_min_s: ... but at least this long.
+      memory_checkpoint_every: every this many steps each host also writes a snapshot of its
+        own shards and input position to local memory, and sends a copy to a peer host
+        (tfpod.memory_checkpoint); a restart reads the newest of memory and storage. 0: off.
+        Costs host memory of twice each host's shards of the state.
+      memory_checkpoint_dir: where the snapshots go (None: /dev/shm/tfpod, RAM that outlives
+        the process; elsewhere on systems without /dev/shm).
     """
 
     steps: int = 100
@@ -107,6 +113,8 @@ class TrainConfig:
     hang_timeout_s: float = 1800.0
     hang_factor: float = 20.0
     hang_min_s: float = 60.0
+    memory_checkpoint_every: int = 0
+    memory_checkpoint_dir: str | None = None
 
     def reached(self, result: Mapping[str, float], lower_is_better=frozenset({"loss", "perplexity"})) -> bool:
         """Whether an eval result reaches the target (never without one); `lower_is_better`:
@@ -133,6 +141,8 @@ class TrainConfig:
         if self.hang_timeout_s < 0 or self.hang_factor < 1 or self.hang_min_s <= 0:
             raise UserError(f"train.hang_timeout_s={self.hang_timeout_s} (>= 0; 0: off), train.hang_factor="
                             f"{self.hang_factor} (>= 1) and train.hang_min_s={self.hang_min_s} (> 0) are out of range")
+        if self.memory_checkpoint_every < 0:
+            raise UserError(f"train.memory_checkpoint_every={self.memory_checkpoint_every} must be >= 0 (0: off)")
         if self.max_nonfinite < 1:
             raise UserError(f"train.max_nonfinite={self.max_nonfinite} must be at least 1")
 
@@ -168,7 +178,9 @@ class Controller:
             if trainer.state.base is not None:
                 trainer.state.saved = lora.saved_weights(trainer.model)
         self.checkpoints = checkpoint.CheckpointManager(model_dir, trainer.state, keep=config.keep_checkpoints,
-                                                        async_save=config.async_checkpoint)
+                                                        async_save=config.async_checkpoint,
+                                                        memory_every=config.memory_checkpoint_every,
+                                                        memory_dir=config.memory_checkpoint_dir)
         tokens_per_step = config.global_batch_size * (tokens or 1)
         per_device = config.peak_flops or flops.peak_flops_per_device(
             self.info.device_type, "bfloat16" if config.precision == "mixed_bfloat16" else "float32")
@@ -225,8 +237,9 @@ class Controller:
     def _next_boundary(self, step: int) -> int:
         c = self.cfg
         marks = [c.steps, (step // c.log_every + 1) * c.log_every, (step // c.checkpoint_every + 1) * c.checkpoint_every]
-        if c.eval_every:
-            marks.append((step // c.eval_every + 1) * c.eval_every)
+        for every in (c.eval_every, c.memory_checkpoint_every):
+            if every:
+                marks.append((step // every + 1) * every)
         return min(min(marks), step + c.steps_per_loop)
 
     def _write_run_record(self, run_files: Mapping[str, str] | None) -> None:
@@ -262,7 +275,7 @@ class Controller:
             log.info("already at step %d of train.steps=%d: nothing to train", step, c.steps)
             return {"step": step, "loss": None, "losses": [], "preempted": False}
         feed = feed or self.synthetic_feed()
-        batches = feed.start(step, resumed)
+        batches = feed.start(step, resumed, self.checkpoints.restored_input)
         start_step, t_start = step, time.time()
         losses_so_far = []
         self.goodput = goodput.Goodput(self.model_dir, self.is_chief)
@@ -309,6 +322,8 @@ class Controller:
         finally:
             hang.stop()
         self.checkpoints.wait()  # a checkpoint written in the background (train.async_checkpoint) is complete
+        if self.checkpoints.memory is not None:
+            self.checkpoints.memory.wait_sent()
         summary = self.goodput.record()
         self.writer.goodput(step, summary)
         log.info("%s", goodput.Goodput.line(summary))
@@ -342,6 +357,8 @@ class Controller:
                                           trainer.task.lower_is_better, started))
         out += [actions.Preempt(preempt),
                 actions.Checkpointing(self.checkpoints, c.checkpoint_every, guard, feed, self.model_dir, saved)]
+        if c.memory_checkpoint_every:
+            out.append(actions.MemorySnapshot(self.checkpoints, c.memory_checkpoint_every, guard, feed, saved))
         return out, metrics
 
     def _call(self, stacked: Mapping[str, np.ndarray], n: int, step: int) -> tuple[np.ndarray, np.ndarray]:

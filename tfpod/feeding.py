@@ -33,8 +33,8 @@ class SyntheticFeed:
     def __init__(self, make_batch: Callable[[np.random.Generator], dict], seed: int, rows: np.ndarray):
         self.make_batch, self.seed, self.rows = make_batch, seed, rows
 
-    def start(self, step: int, resumed: int | None) -> Iterator[dict]:
-        del resumed
+    def start(self, step: int, resumed: int | None, position: str | None = None) -> Iterator[dict]:
+        del resumed, position
         while True:
             batch = self.make_batch(np.random.default_rng([self.seed, step]))
             yield {k: v[self.rows] for k, v in batch.items()}
@@ -42,6 +42,9 @@ class SyntheticFeed:
 
     def save(self, step: int) -> None:
         """Nothing to save: the step is the position."""
+
+    def write_to(self, directory: str, step: int) -> None:
+        """Nothing to write: the step is the position."""
 
 
 @dataclasses.dataclass
@@ -70,8 +73,9 @@ class DatasetFeed:
     skip_corrupt_knob: bool = False
     _input_ckpt: input_position.InputCheckpoint | None = dataclasses.field(default=None, init=False)
 
-    def start(self, step: int, resumed: int | None) -> Iterator[dict]:
-        """Host batches from the resumed position (or the input's beginning)."""
+    def start(self, step: int, resumed: int | None, position: str | None = None) -> Iterator[dict]:
+        """Host batches from the resumed position (or the input's beginning); `position`: the
+        folder it was saved in, if not this host's folder of positions (an in-memory snapshot's)."""
         del step
         iterator = iter(self.task_input.train(self.host_rows))
         if self.task_input.checkpointable:
@@ -80,7 +84,7 @@ class DatasetFeed:
             make = lambda it: input_position.InputCheckpoint(self.model_dir, self.host_id, it, self.keep, source)
             self._input_ckpt = make(iterator)
             # (a step-0 checkpoint, e.g. an imported model's, starts the input at its beginning: exact)
-            if resumed and self._input_ckpt.restore(resumed, strict=self.strict) == "failed":
+            if resumed and self._input_ckpt.restore(resumed, strict=self.strict, directory=position) == "failed":
                 iterator = iter(self.task_input.train(self.host_rows))  # a new dataset: the failed restore may have left it half set
                 self._input_ckpt = make(iterator)
         elif resumed:
@@ -119,6 +123,11 @@ class DatasetFeed:
         """Saves the position (first, so the model checkpoint of `step` always has it)."""
         if self._input_ckpt is not None:
             self._input_ckpt.save(step)
+
+    def write_to(self, directory: str, step: int) -> None:
+        """Writes the position of `step` to `directory` (an in-memory snapshot's)."""
+        if self._input_ckpt is not None:
+            self._input_ckpt.write_to(directory, step)
 
 
 def stack(batches: list[Mapping[str, np.ndarray]], steps: int) -> dict[str, np.ndarray]:

@@ -55,11 +55,20 @@ class InputCheckpoint:
             if os.path.basename(f)[: -len(".source.json")] not in kept:
                 tf.io.gfile.remove(f)
 
-    def _source_path(self, step: int) -> str:
-        return os.path.join(self.directory, f"ckpt-{step}.source.json")
+    def _source_path(self, step: int, directory: str | None = None) -> str:
+        return os.path.join(directory or self.directory, f"ckpt-{step}.source.json")
 
-    def restore(self, step: int, strict: bool = False) -> str:
-        """Restores the position saved with the model checkpoint of `step`, if it fits this input.
+    def write_to(self, directory: str, step: int) -> None:
+        """Writes the position of `step` and its source to `directory` (an in-memory snapshot's,
+        tfpod.memory_checkpoint), as `save` does to this host's folder of positions."""
+        os.makedirs(directory, exist_ok=True)
+        if self.source is not None:
+            write_atomically(self._source_path(step, directory), json.dumps(self.source, indent=1, sort_keys=True))
+        self._ckpt.write(os.path.join(directory, f"ckpt-{step}"))
+
+    def restore(self, step: int, strict: bool = False, directory: str | None = None) -> str:
+        """Restores the position saved with the model checkpoint of `step`, if it fits this input
+        (`directory`: where it was saved, if not this host's folder of positions: a snapshot's).
 
         Returns:
           "restored"; "skipped" (no position was saved, the input changed, or what it was
@@ -71,18 +80,19 @@ class InputCheckpoint:
         Raises:
           UserError: with `strict` (train.strict_resume), instead of starting over.
         """
-        path = os.path.join(self.directory, f"ckpt-{step}")
+        directory = directory or self.directory
+        path = os.path.join(directory, f"ckpt-{step}")
         if not tf.io.gfile.exists(path + ".index"):
-            return self._cannot(step, f"checkpoint step {step} has no input position in {self.directory} (the run "
+            return self._cannot(step, f"checkpoint step {step} has no input position in {directory} (the run "
                                       "that wrote it read synthetic data, the tf.data service, or another host count)",
                                 strict, "skipped")
         stored = None
-        if tf.io.gfile.exists(self._source_path(step)):
+        if tf.io.gfile.exists(self._source_path(step, directory)):
             try:
-                with tf.io.gfile.GFile(self._source_path(step)) as f:
+                with tf.io.gfile.GFile(self._source_path(step, directory)) as f:
                     stored = json.load(f)
             except (tf.errors.OpError, ValueError) as e:
-                return self._cannot(step, f"{self._source_path(step)} is damaged ({first_line(e)}), so the input "
+                return self._cannot(step, f"{self._source_path(step, directory)} is damaged ({first_line(e)}), so the input "
                                           "position beside it cannot be checked against this input; restore the file "
                                           "from a backup to resume the input exactly", strict, "skipped")
         # A setting the stored record lacks (one a later tfpod added) cannot have been changed by that run.
