@@ -1,6 +1,7 @@
 """In-memory checkpoints (tfpod.memory_checkpoint): snapshots in each host's memory with a
 peer's copy, a restart reading the newest of memory and storage."""
 
+import json
 import os
 import shutil
 import subprocess
@@ -10,7 +11,7 @@ import numpy as np
 import pytest
 
 from conftest import main_command
-from tfpod import memory_checkpoint as mc
+from tfpod import UserError, memory_checkpoint as mc
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -39,6 +40,13 @@ def test_a_snapshot_is_whole_only_with_its_manifest_and_every_checksum(tmp_path)
     assert mc.check(str(folder), 3, "another mesh") == "of another step, mesh or model"
     (folder / "input" / "ckpt-3.index").write_bytes(b"posit1on")
     assert mc.check(str(folder), 3, "sig") == "input/ckpt-3.index is missing or damaged"
+
+
+@pytest.mark.unit
+def test_a_memory_folder_that_cannot_be_written_is_one_line(tmp_path):
+    (tmp_path / "file").write_text("")
+    with pytest.raises(UserError, match=r"train.memory_checkpoint_dir='.*/file/shm': cannot write there .*: set it"):
+        mc.MemoryCheckpoints(str(tmp_path / "run"), 0, 1, str(tmp_path / "file" / "shm"), lambda: "sig")
 
 
 def _launch(d, shm, steps, max_restarts=0, fault=None):
@@ -90,6 +98,10 @@ def test_every_process_killed_between_storage_checkpoints_resumes_from_memory_an
     assert out.count("input resumed at step 12 from") == 2 and out.count("input resumed at step 15 from") == 2
     assert "fault injected: kill@17" in out and "(1 automatic restart(s))" in out
 
+    # Trained again: only the steps after each snapshot (13; 16), not those after storage's step 10.
+    records = [json.loads(line) for line in open(d / "metrics.jsonl")]
+    times = {s: sum(1 for r in records if r["kind"] == "train" and r["step"] == s) for s in range(1, 21)}
+    assert [s for s, n in times.items() if n > 1] == [13, 16], times
     want, got = logged_losses(tmp_path / "one"), logged_losses(d)
     assert sorted(got) == list(range(1, 21))
     np.testing.assert_array_equal([got[s] for s in range(1, 21)], [want[s] for s in range(1, 21)])

@@ -275,7 +275,9 @@ class CheckpointManager:
             log.warning("no in-memory snapshot of step %d: the state holds NaN or Inf", step)
             return time.time() - started
         size = self.memory.save(step, entries, graph, write_input)
-        log.info("in-memory snapshot of step %d: %s in %.2f s", step, report.human_bytes(size), time.time() - started)
+        if size is not None:
+            log.info("in-memory snapshot of step %d: %s in %.2f s", step, report.human_bytes(size),
+                     time.time() - started)
         return time.time() - started
 
     def save(self, checked: bool = False) -> str:

@@ -39,6 +39,7 @@ import json
 import logging
 import os
 import shutil
+import tarfile
 import tempfile
 import threading
 from typing import Callable
@@ -46,7 +47,7 @@ from typing import Callable
 import tensorflow as tf
 from tensorflow.experimental import dtensor
 
-from tfpod import compat, peer_link
+from tfpod import UserError, compat, peer_link
 
 log = logging.getLogger("tfpod")
 
@@ -92,6 +93,11 @@ class MemoryCheckpoints:
     def __init__(self, model_dir: str, host: int, hosts: int, root: str | None, signature: Callable[[], str]):
         self.host, self.hosts, self._signature, self._signed = host, hosts, signature, None
         self.folder = os.path.join(root or default_root(), run_key(model_dir), f"host{host}")
+        try:
+            os.makedirs(self.folder, exist_ok=True)
+        except OSError as e:
+            raise UserError(f"train.memory_checkpoint_dir={root or default_root()!r}: cannot write there ({e}): set it "
+                            "to a writable folder in local memory (or 0 train.memory_checkpoint_every)") from None
         self.own = os.path.join(self.folder, "own")
         self.copies = os.path.join(self.folder, "copies")
         self._lock = threading.Lock()
@@ -113,21 +119,29 @@ class MemoryCheckpoints:
         return self._signed
 
     # -- writing -------------------------------------------------------------------------
-    def save(self, step: int, entries: list, graph: bytes, write_input) -> float:
+    def save(self, step: int, entries: list, graph: bytes, write_input) -> int | None:
         """Writes this host's snapshot of `step` (`entries`: checkpoint_writer.local_snapshot's
         host copies; `write_input(folder, step)`: the input position) and starts sending it to
-        the peer; returns the bytes written."""
+        the peer; returns the bytes written, or None when it could not be written (one warning:
+        a full memory folder costs this snapshot, not the run; storage checkpoints go on)."""
         self.wait_sent()
-        os.makedirs(self.own, exist_ok=True)
-        final = os.path.join(self.own, f"step-{step}")
-        temp = tempfile.mkdtemp(prefix=f"step-{step}.tmp-", dir=self.own)
-        entries = entries + [("_CHECKPOINTABLE_OBJECT_GRAPH", "", tf.constant(graph))]
-        with tf.device(dtensor.local_devices("CPU")[0].to_string()):
-            tf.raw_ops.SaveV2(prefix=os.path.join(temp, STATE), tensor_names=[k for k, _, _ in entries],
-                              shape_and_slices=[s for _, s, _ in entries], tensors=[t for _, _, t in entries])
-        write_input(os.path.join(temp, INPUT), step)
-        size = write_manifest(temp, {"step": step, "host": self.host, "hosts": self.hosts,
-                                     "signature": self._sig()})
+        final, temp = os.path.join(self.own, f"step-{step}"), None
+        try:
+            os.makedirs(self.own, exist_ok=True)
+            temp = tempfile.mkdtemp(prefix=f"step-{step}.tmp-", dir=self.own)
+            entries = entries + [("_CHECKPOINTABLE_OBJECT_GRAPH", "", tf.constant(graph))]
+            with tf.device(dtensor.local_devices("CPU")[0].to_string()):
+                tf.raw_ops.SaveV2(prefix=os.path.join(temp, STATE), tensor_names=[k for k, _, _ in entries],
+                                  shape_and_slices=[s for _, s, _ in entries], tensors=[t for _, _, t in entries])
+            write_input(os.path.join(temp, INPUT), step)
+            size = write_manifest(temp, {"step": step, "host": self.host, "hosts": self.hosts,
+                                         "signature": self._sig()})
+        except (OSError, tf.errors.OpError, UserError) as e:
+            if temp:
+                shutil.rmtree(temp, ignore_errors=True)
+            log.warning("no in-memory snapshot of step %d: it could not be written to %s (%s); training goes on, "
+                        "a restart reads storage or an older snapshot", step, self.own, str(e).splitlines()[0][:300])
+            return None
         if os.path.exists(final):
             shutil.rmtree(final)
         os.rename(temp, final)
@@ -141,7 +155,7 @@ class MemoryCheckpoints:
     def _send(self, step: int, folder: str) -> None:
         try:
             self.link.send(self.peer, step, folder)
-        except (OSError, ValueError) as e:  # noqa: PERF203 -- reported by the next save
+        except Exception as e:  # noqa: BLE001 -- a thread's error, reported by the next save (one warning)
             self._send_error = e
 
     def wait_sent(self) -> None:
@@ -250,7 +264,7 @@ class MemoryCheckpoints:
             problem = check(temp, step, self._sig())
             if problem:
                 raise OSError(problem)
-        except (OSError, ValueError) as e:
+        except (OSError, ValueError, tarfile.TarError, tf.errors.OpError) as e:
             shutil.rmtree(temp, ignore_errors=True)
             log.warning("could not fetch this host's snapshot of step %d from host %d: %s", step, self.peer, e)
             return False
