@@ -27,7 +27,7 @@ import tensorflow as tf
 import tf_keras
 from official.nlp.modeling import layers as mg_layers
 
-from tfpod import UserError, check_positive, compat, evaluation, fused
+from tfpod import UserError, attention, check_positive, compat, evaluation, fused
 from tfpod.input import lm_data
 from tfpod.models import lm_serving, plan_profiles
 from tfpod.partitioning import AxisRule, rows_split, shard
@@ -146,7 +146,7 @@ class GPT(tf_keras.Model):
         (`loss_terms` then computes the output layer and the loss together)."""
         features = inputs if isinstance(inputs, dict) else {"inputs": inputs}
         x = self.embed_inputs(features, training)
-        mask = causal_mask(features["inputs"], features.get("segment_ids"))  # [batch, length, length]
+        mask = attention_mask(features["inputs"], features.get("segment_ids"))
         for block in self.blocks:
             x = self.run_block(block, x, mask, training)
             x = shard(x, ACTIVATION_AXES)
@@ -291,13 +291,7 @@ class CausalSelfAttention(tf_keras.layers.Layer):
         q, k, v = to_heads(self.query(x)), to_heads(self.key(x)), to_heads(self.value(x))
         if hasattr(mask, "attend"):  # generation: a decoding.LayerCache in place of the mask
             return self.attention_output(tf.transpose(mask.attend(q, k, v), [0, 2, 1, 3]))
-        bias = (1.0 - tf.cast(tf.expand_dims(mask, 1), q.dtype)) * tf.cast(-1e9, q.dtype)  # [batch, 1, length, length]
-        if self.dropout.rate and training is not None and training is not False:  # dropout on the probabilities
-            scores = tf.matmul(q * tf.cast(self.key_dim ** -0.5, q.dtype), k, transpose_b=True) + bias
-            probs = self.dropout(tf.nn.softmax(scores, axis=-1), training=training)  # [batch, heads, length, length]
-            context = tf.matmul(probs, v)
-        else:
-            context = fused.attention(q, k, v, bias, causal=self.causal)  # [batch, heads, length, kv]
+        context = attention.attend(q, k, v, mask, self.causal, self.dropout, training)  # [batch, heads, length, kv]
         return self.attention_output(tf.transpose(context, [0, 2, 1, 3]))  # [batch, length, embed]
 
     def get_config(self):
@@ -360,6 +354,12 @@ class Block(tf_keras.layers.Layer):
     def get_config(self):
         return {**super().get_config(), "config": dataclasses.asdict(self.config), "norm_first": self.norm_first,
                 "causal": self.causal}
+
+
+def attention_mask(ids: tf.Tensor, segment_ids: tf.Tensor | None = None) -> tf.Tensor:
+    """The mask the blocks pass their attention: segment ids [batch, length] for blockwise
+    attention (tfpod.attention), else `causal_mask`'s [batch, length, length]."""
+    return attention.self_attention_mask(ids, segment_ids, causal_mask)
 
 
 def causal_mask(ids: tf.Tensor, segment_ids: tf.Tensor | None = None) -> tf.Tensor:
@@ -449,7 +449,7 @@ def staged(model: GPT) -> StagedModel:
     """The LM cut for pipeline stages: embeddings first, blocks, final norm + tied output layer + loss last."""
     return StagedModel(
         first=lambda batch, training: model.embed_inputs(model_inputs(batch), training),
-        context=lambda batch: causal_mask(batch["inputs"], batch.get("segment_ids")),
+        context=lambda batch: attention_mask(batch["inputs"], batch.get("segment_ids")),
         blocks=model.blocks,
         block=model.block_and_aux,
         outputs=lambda x, batch: model.output_logits(model.final_hidden(x)),

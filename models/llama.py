@@ -31,7 +31,7 @@ import tensorflow as tf
 import tf_keras
 from official.nlp.modeling import layers as mg_layers
 
-from tfpod import UserError, check_positive, fused
+from tfpod import UserError, attention, check_positive, fused
 from tfpod.input import lm_data
 from tfpod.models import gpt, lm_serving, plan_profiles
 from tfpod.partitioning import AxisRule, shard
@@ -203,12 +203,7 @@ class Attention(tf_keras.layers.Layer):
         if c.num_kv_heads != c.num_heads:  # each key/value head serves num_heads / num_kv_heads query heads
             k, v = (shard(tf.repeat(t, c.num_heads // c.num_kv_heads, axis=2), heads) for t in (k, v))
         q, k, v = to_heads(q), to_heads(k), to_heads(v)
-        bias = (1.0 - tf.cast(tf.expand_dims(mask, 1), q.dtype)) * tf.cast(-1e9, q.dtype)
-        if self.dropout.rate and training is not None and training is not False:
-            scores = tf.matmul(q * tf.cast(c.head_dim ** -0.5, q.dtype), k, transpose_b=True) + bias
-            context = tf.matmul(self.dropout(tf.nn.softmax(scores, axis=-1), training=training), v)
-        else:
-            context = fused.attention(q, k, v, bias, causal=True)
+        context = attention.attend(q, k, v, mask, True, self.dropout, training)
         return self.attention_output(tf.transpose(context, [0, 2, 1, 3]))
 
 
@@ -279,7 +274,7 @@ class Llama(tf_keras.Model):
 
     def context(self, features: dict):
         """What every block reads besides the stream: (mask, cos, sin)."""
-        mask = gpt.causal_mask(features["inputs"], features.get("segment_ids"))
+        mask = gpt.attention_mask(features["inputs"], features.get("segment_ids"))
         return (mask, *self.angles(features))
 
     def embed_inputs(self, features: dict, training) -> tf.Tensor:

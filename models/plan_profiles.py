@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from tfpod import attention
 from tfpod.plan import profile
 from tfpod.plan.profile import Collective, Profile, Tensor
 
@@ -24,7 +25,8 @@ def gpt(config, outputs=(), flops=None, mlp_share: float = 1.0, extra_saved=(), 
     del outputs
     s, e = config.seq_len, config.embed_dim
     saved, collectives = profile.transformer_block(s, e, config.num_heads, config.mlp_dim, config.dropout,
-                                                   config.attention_dropout, mlp_share=mlp_share)
+                                                   config.attention_dropout, mlp_share=mlp_share,
+                                                   blockwise=attention.current().implementation == "blockwise")
     total = flops(config)
     return Profile(
         blocks=config.num_layers, block_saved=saved + list(extra_saved), block_input=Tensor(STREAM, (s, e)),

@@ -69,7 +69,10 @@ class RunOptions:
 
 def build_run_configs() -> RunConfigs:
     """Builds every config (each value checked: types, ranges, choices) from the parsed gin config."""
+    from tfpod import attention
+
     task, model, data = config.build_task_configs()
+    attention.use(config.build_config("attention"))  # what every model of the run attends with
     return RunConfigs(task=task, experiment=config.build_config("experiment"), model=model, data=data,
                       train=config.build_config("train"), optimizer=config.build_config("optimizer"),
                       sharding=config.build_config("sharding"), lora=task.lora)

@@ -48,11 +48,11 @@ def _register() -> dict:
     """Registers the library's config classes with gin (once per process)."""
     if _CONFIGURABLES:
         return _CONFIGURABLES
-    from tfpod import controller, lora, optimizers, partitioning
+    from tfpod import attention, controller, lora, optimizers, partitioning
     from tfpod.models import TASKS
 
     classes = {"experiment": ExperimentConfig, "train": controller.TrainConfig, "optimizer": optimizers.OptimizerConfig,
-               "sharding": partitioning.ShardingConfig, "lora": lora.LoraConfig}
+               "sharding": partitioning.ShardingConfig, "lora": lora.LoraConfig, "attention": attention.AttentionConfig}
     for name, task in TASKS.items():
         classes[name] = task.config_class
         classes.setdefault(task.data_name, task.data_config_class)  # tasks may share one (gpt, moe: lm_data)

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 import re
 
 import tensorflow as tf
@@ -116,7 +115,7 @@ def make_stage_meshes(spec: str, device_type: str | None = None) -> list[dtensor
     if not rest:
         raise UserError(f"--mesh={spec!r}: a stage needs other axes too, e.g. 'stage:2,data:-1'")
     return stages.stage_meshes(rest, num_stages, device_type or info.device_type, info.num_clients, info.client_id,
-                               info.num_local_devices, os.environ.get("DTENSOR_JOB_NAME", "worker"))
+                               info.num_local_devices, dtensor.job_name())  # (localhost, unless launched as a job)
 
 
 def axis_size(mesh: dtensor.Mesh, name: str) -> int:

@@ -46,7 +46,7 @@ def split_stage_axis(axes: Sequence[tuple[str, int]]) -> tuple[int, list[tuple[s
 
 
 def stage_meshes(axes: Sequence[tuple[str, int]], num_stages: int, device_type: str, num_clients: int,
-                 client_id: int, num_local_devices: int, job: str = "worker") -> list[dtensor.Mesh]:
+                 client_id: int, num_local_devices: int, job: str | None = None) -> list[dtensor.Mesh]:
     """The stage sub-meshes: each a mesh of `axes` over an equal share of every host's devices.
 
     Args:
@@ -54,7 +54,8 @@ def stage_meshes(axes: Sequence[tuple[str, int]], num_stages: int, device_type: 
       num_stages: stages.
       device_type: "CPU", "GPU" or "TPU".
       num_clients, client_id, num_local_devices: the job's hosts, this host, its devices.
-      job: the multi-client job name (DTENSOR_JOB_NAME).
+      job: the job name (dtensor.job_name(): DTENSOR_JOB_NAME, e.g. a launched job's, even of one
+        host; None: localhost for one host, else worker).
 
     Raises:
       UserError: a host's devices do not divide over the stages.
@@ -69,9 +70,8 @@ def stage_meshes(axes: Sequence[tuple[str, int]], num_stages: int, device_type: 
     local_ids = list(range(client_id * per_host, (client_id + 1) * per_host))
 
     def device(client: int, index: int) -> str:
-        if num_clients == 1:
-            return f"/job:localhost/replica:0/task:0/device:{device_type}:{index}"
-        return f"/job:{job}/replica:0/task:{client}/device:{device_type}:{index}"
+        name = job or ("localhost" if num_clients == 1 else "worker")
+        return f"/job:{name}/replica:0/task:{client}/device:{device_type}:{index}"
 
     # (no `global_devices`: copies stay within a host, and DTensor drops them from the
     # mesh it gives a checkpoint's file-name ops, which then no longer match the stage's)

@@ -91,28 +91,32 @@ class Profile:
 def transformer_block(length: int, embed: int, heads: int, mlp: int, dropout: float = 0.0,
                       attention_dropout: float = 0.0, kv_length: int | None = None,
                       cross_length: int | None = None, sequence_axis: str = "sequence",
-                      mlp_share: float = 1.0) -> tuple[list, list]:
+                      mlp_share: float = 1.0, blockwise: bool = False) -> tuple[list, list]:
     """(saved tensors, collectives) of one pre- or post-norm Transformer block per example.
 
     Self-attention over `kv_length` keys (default: `length`), an optional cross
     attention over `cross_length` encoder positions, and an MLP of width `mlp` in
-    `mlp_share` of the blocks (MoE blocks bring their own).
+    `mlp_share` of the blocks (MoE blocks bring their own). `blockwise` self-attention
+    (tfpod.attention, without attention dropout) keeps each query's row statistics
+    (float32) instead of the [heads, length, keys] probabilities.
     """
     kv = embed // heads
     kv_length = kv_length or length
     stream = (sequence_axis, "embed")
     heads_t = ("length", "heads", "kv")
 
-    def attention(keys: int) -> list:
+    def attention(keys: int, blocks: bool) -> list:
         probs = 1 + (2 if attention_dropout else 0)  # softmax output (+ mask and dropped probabilities)
-        return [Tensor(stream, (length, embed), 2),  # layer norm input and output
+        kept = [Tensor(stream, (length, embed), 2),  # layer norm input and output
                 Tensor(heads_t, (length, heads, kv), 2),  # queries and the attention's output
-                Tensor(heads_t, (keys, heads, kv), 2),  # keys and values
-                Tensor(("heads", "length", None), (heads, length, keys), probs)]
+                Tensor(heads_t, (keys, heads, kv), 2)]  # keys and values
+        if blocks:  # the row statistics (log-sum-exp) the blockwise backward recomputes the scores from
+            return kept + [Tensor(("heads", "length", None), (heads, length, 1), 1, "float32")]
+        return kept + [Tensor(("heads", "length", None), (heads, length, keys), probs)]
 
-    saved = attention(kv_length)
+    saved = attention(kv_length, blockwise and not attention_dropout)
     if cross_length:
-        saved += attention(cross_length)
+        saved += attention(cross_length, False)
     saved += [Tensor(stream, (length, embed), 2),  # the MLP's layer norm input and output
               Tensor(("length", "mlp"), (length, mlp), 2 * mlp_share)]  # the activation's input and output
     if dropout:
