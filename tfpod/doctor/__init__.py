@@ -100,13 +100,17 @@ def run_checks(configs, config_error: str | None, model_dir: str | None, mode: s
             add(checks.collective(info, bandwidth_bytes))
     num_hosts, host_id = (info.num_clients, info.client_id) if info is not None else _hosts()
     if configs is not None:
+        if not model_dir and not fast:
+            add([Result("skip", "model_dir", "no --model_dir given: its space and speed are not checked")])
         if model_dir and mode in WRITING_MODES:
             add(storage.model_dir_checks(model_dir, _checkpoint(configs), configs.train.keep_checkpoints,
                                          write_bytes, host_id))
         add(storage.input_checks(configs, mode, num_hosts, host_id,
                                  storage.FAST_INPUT_FILES if fast else None))
     if mesh is not None and not fast:
-        add([_agree(results, mesh, num_hosts)])
+        broken = any(r.failed and r.check == "collective" for r in results)  # TensorFlow's collectives are down
+        add([Result("skip", "hosts", "no comparison with the other hosts after the failed collective") if broken
+             else _agree(results, mesh, num_hosts)])
     return results
 
 
@@ -120,7 +124,13 @@ def _agree(results: list[Result], mesh, num_hosts: int) -> Result:
     """Every host's failures, compared on the host mesh: which hosts failed a check."""
     from tfpod.doctor import checks
 
-    failed = checks.per_host(sum(r.failed for r in results), mesh)
+    import tensorflow as tf
+
+    try:
+        failed = checks.per_host(sum(r.failed for r in results), mesh)
+    except (tf.errors.OpError, RuntimeError) as e:
+        return Result("FAIL", "hosts", f"could not compare with the other hosts ({type(e).__name__})",
+                      "run the doctor on every host at once, with the same flags and --host_addresses")
     bad = [f"host {h} ({int(n)})" for h, n in enumerate(failed) if n]
     if bad:
         return Result("FAIL", "hosts", f"failed checks on {', '.join(bad)} of {num_hosts}",

@@ -9,6 +9,7 @@ from __future__ import annotations
 import ctypes
 import glob
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -212,31 +213,51 @@ def _all_reduce(mesh: dtensor.Mesh, rows_of_device) -> tuple[list[np.ndarray], o
     return [t.numpy() for t in dtensor.unpack(y)], x
 
 
-def collective(info, bandwidth_bytes: int, repeats: int = 5) -> list[Result]:
-    """An all-reduce over every device of every host with known values, checked exactly,
-    and its bandwidth with `bandwidth_bytes` per device (0: not measured).
+def _cause(error: BaseException, client_id: int) -> str:
+    """A collective's error in one line: the hosts it names, its root cause without repeated
+    abort prefixes."""
+    from tfpod import runtime
 
-    Device g contributes [g, g + 1, ..., g + 7]: element i of the sum is N(N-1)/2 + N*i for
-    N devices (float32: exact below 2**24). The bandwidth is NCCL's bus bandwidth:
-    bytes * 2(N-1)/N / time, what each device's links carry in a ring all-reduce.
+    text = re.sub(r"(Collective ops is aborted by: )+", "", " ".join(runtime.error_cause(error).split()))[:400]
+    others = sorted({int(t) for t in re.findall(r"/task:(\d+)", runtime.error_text(error))} - {client_id})
+    return (f"host {', '.join(map(str, others))}: " if others else "") + text
+
+
+KNOWN_WIDTH = 8  # elements of the known-values all-reduce
+
+
+def known_row(g: int) -> list[float]:
+    """What device g contributes to the known-values all-reduce: [g, g + 1, ..., g + 7]."""
+    return [float(g + i) for i in range(KNOWN_WIDTH)]
+
+
+def check_sums(sums, n: int, hosts: int) -> Result:
+    """The known-values all-reduce's result on each local device against the known sum:
+    element i is N(N-1)/2 + N*i for N devices (float32: exact below 2**24)."""
+    want = np.array([n * (n - 1) / 2 + n * i for i in range(KNOWN_WIDTH)], np.float32)
+    wrong = [k for k, s in enumerate(sums) if not np.array_equal(np.asarray(s), want)]
+    if wrong:
+        return Result("FAIL", "collective", f"an all-reduce of known values over {n} devices gave "
+                                            f"{np.asarray(sums[wrong[0]]).tolist()} on local device {wrong[0]}, not "
+                                            f"{want.tolist()}", "the devices or their links corrupt data: run the "
+                                                                "doctor again, then take the host out of the job")
+    return Result("ok", "collective", f"all-reduce of known values over {n} devices of {hosts} host(s): exact")
+
+
+def collective(info, bandwidth_bytes: int, repeats: int = 5) -> list[Result]:
+    """An all-reduce over every device of every host with known values (`known_row`,
+    `check_sums`), and its bandwidth with `bandwidth_bytes` per device (0: not measured):
+    NCCL's bus bandwidth, bytes * 2(N-1)/N / time, what each device's links carry in a
+    ring all-reduce.
     """
     from tfpod import mesh as meshlib, runtime
 
     n = info.num_global_devices
     try:
         mesh = meshlib.make_mesh("devices:-1", info.device_type)
-        width = 8
-        sums, _ = _all_reduce(mesh, lambda g: tf.constant([[g + i for i in range(width)]], tf.float32))
-        want = np.array([n * (n - 1) / 2 + n * i for i in range(width)], np.float32)
-        wrong = [k for k, s in enumerate(sums) if not np.array_equal(s, want)]
-        if wrong:
-            return [Result("FAIL", "collective", f"an all-reduce of known values over {n} devices gave "
-                                                 f"{sums[wrong[0]].tolist()} on local device {wrong[0]}, not "
-                                                 f"{want.tolist()}", "the devices or their links corrupt data: "
-                                                                     "run the doctor again, then report the host")]
-        results = [Result("ok", "collective", f"all-reduce of known values over {n} devices of {info.num_clients} "
-                                              "host(s): exact")]
-        if bandwidth_bytes:
+        sums, _ = _all_reduce(mesh, lambda g: tf.constant([known_row(g)], tf.float32))
+        results = [check_sums(sums, n, info.num_clients)]
+        if bandwidth_bytes and not results[0].failed:
             elements = max(1, bandwidth_bytes // 4)
             big = tf.ones([1, elements], tf.float32)
             _, x = _all_reduce(mesh, lambda g: big)  # traced and run once: not timed
@@ -251,7 +272,7 @@ def collective(info, bandwidth_bytes: int, repeats: int = 5) -> list[Result]:
                                                      "bandwidth"))
         return results
     except (tf.errors.OpError, RuntimeError) as e:
-        return [Result("FAIL", "collective", f"the all-reduce over {n} devices of {info.num_clients} host(s) failed "
-                                             f"({runtime.error_cause(e)[:300]})",
-                       "start the doctor on every host with the same --host_addresses, and check that each "
-                       "host reaches the others on those ports")]
+        return [Result("FAIL", "collective", f"an all-reduce over {n} devices of {info.num_clients} host(s) failed "
+                                             f"({_cause(e, info.client_id)})",
+                       "run every host with the same flags and --host_addresses, check that each host reaches the "
+                       "others on those ports, and that none stopped (its own lines say why)")]

@@ -126,7 +126,8 @@ def _read_head(path: str) -> str | None:
             if not f.read(_HEAD):
                 return "empty"
     except (tf.errors.OpError, OSError) as e:
-        return getattr(e, "message", None) or str(e) or type(e).__name__
+        text = getattr(e, "message", None) or str(e) or type(e).__name__
+        return text.replace(f"{path}; ", "")  # TensorFlow's messages lead with the path
     return None
 
 
@@ -166,9 +167,11 @@ def input_checks(configs, mode: str, num_hosts: int, host_id: int, max_files: in
             paths = shard.files if max_files is None else shard.files[:max_files]
             bad = [(p, why) for p in paths if (why := _read_head(p)) is not None]
             if bad:
-                more = f" (and {len(bad) - 1} more)" if len(bad) > 1 else ""
-                results.append(Result("FAIL", check, f"input file {bad[0][0]} cannot be read: {bad[0][1]}{more}",
-                                      "remove it from the pattern, or restore the file"))
+                named = "; ".join(f"{p}: {' '.join(why.split())}" for p, why in bad[:3])
+                more = f" (and {len(bad) - 3} more)" if len(bad) > 3 else ""
+                results.append(Result("FAIL", check, f"{len(bad)} of this host's {len(shard.files)} input file(s) "
+                                                     f"cannot be read: {named}{more}",
+                                      "remove them from the pattern, or restore the files"))
                 continue
             read = "" if len(paths) == len(shard.files) else f" (the first {len(paths)})"
             results.append(Result("ok", check, f"host {host_id} of {num_hosts} reads {len(shard.files)} file(s) of "
