@@ -11,7 +11,7 @@ setup(
     version="0.1.0",
     description="Multi-host, multi-accelerator training with TensorFlow DTensor",
     python_requires=">=3.10,<3.13",
-    packages=["tfpod", "tfpod.keras", "tfpod.partitioning", "tfpod.partitioning.presets", "tfpod.pipeline", "tfpod.convert", "tfpod.plan", "tfpod.input", "tfpod.models", "tfpod.gin"],
+    packages=["tfpod", "tfpod.keras", "tfpod.partitioning", "tfpod.partitioning.presets", "tfpod.pipeline", "tfpod.convert", "tfpod.doctor", "tfpod.plan", "tfpod.input", "tfpod.models", "tfpod.gin"],
     package_dir={"tfpod": "tfpod", "tfpod.input": "input", "tfpod.models": "models", "tfpod.gin": "gin"},
     package_data={"tfpod.gin": ["*.gin", "*/*.gin"]},
     install_requires=[
@@ -32,5 +32,6 @@ setup(
     # kubernetes-validate: the Kubernetes manifests are validated against the Kubernetes API schema offline.
     extras_require={"test": ["pytest>=8", "pytest-xdist>=3", "tensorflow-serving-api==2.20.*", "transformers==4.44.*",
                              "safetensors==0.4.*", "kubernetes-validate>=1.30"]},
-    entry_points={"console_scripts": ["tfpod=tfpod.main:console_main", "tfpod-launch=tfpod.launch:console_main"]},
+    entry_points={"console_scripts": ["tfpod=tfpod.main:console_main", "tfpod-launch=tfpod.launch:console_main",
+                                      "tfpod-doctor=tfpod.doctor.__main__:console_main"]},
 )

@@ -16,7 +16,7 @@ FOLDERS = {"tfpod": "tfpod", "input": "tfpod.input", "models": "tfpod.models"}
 # of one layer do not import each other. A module belongs to the group whose prefix names
 # it most closely.
 LAYERS = [
-    {"entry points": ("tfpod.main", "tfpod.launch", "tfpod.config_doc", "tfpod.convert")},
+    {"entry points": ("tfpod.main", "tfpod.launch", "tfpod.config_doc", "tfpod.convert", "tfpod.doctor")},
     {"run API and config": ("tfpod.api", "tfpod.config", "tfpod.export"),
      "Keras front end": ("tfpod.keras",)},
     {"controller and its actions": ("tfpod.controller", "tfpod.actions", "tfpod.nonfinite", "tfpod.feeding", "tfpod.input_position",

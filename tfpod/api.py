@@ -263,27 +263,15 @@ MODES: dict[str, Callable[[RunConfigs, str, RunOptions], dict]] = {
 }
 
 
-def run(gin_files: list[str], gin_params: list[str], model_dir: str, mode: str = "train", **options) -> dict:
-    """Parses the gin config, checks every config, and runs `mode` in model_dir.
+def load_configs(gin_files: list[str], gin_params: list[str], model_dir: str) -> RunConfigs:
+    """Parses the gin config and builds every config, each value checked (what `run` runs with).
 
     Args:
       gin_files: gin files, applied in order (tfpod's gin/ folder is searched too); none:
         model_dir/config.gin when it exists (the run's own config, e.g. an imported model's).
       gin_params: bindings applied after them, e.g. "train.steps=200".
       model_dir: the run's folder.
-      mode: a key of MODES.
-      **options: RunOptions fields (mesh_spec or mesh, cpu_devices, device_type, checkpoint, model_name).
-
-    Returns:
-      The mode's result (train: {"step", "loss", "losses", "preempted"}; eval: the metrics).
     """
-    from tfpod import goodput
-
-    goodput.mark_launch()  # main.py marked the process start already
-    if not model_dir:
-        raise UserError("--model_dir is required: the folder for checkpoints, config.gin and metrics")
-    if mode not in MODES:
-        raise UserError(f"--mode={mode!r}: use one of {', '.join(MODES)}")
     saved = os.path.join(model_dir, "config.gin")
     if not gin_files and os.path.isfile(saved):  # a run's own config (e.g. an imported model's): train on
         log.info("config: %s (no --gin_file given)", saved)
@@ -298,5 +286,35 @@ def run(gin_files: list[str], gin_params: list[str], model_dir: str, mode: str =
             raise e from None
     else:
         config.parse_config(gin_files, gin_params)
-    configs = build_run_configs()
-    return MODES[mode](configs, model_dir, RunOptions(**options))
+    return build_run_configs()
+
+
+def run(gin_files: list[str], gin_params: list[str], model_dir: str, mode: str = "train",
+        check: Callable[[RunConfigs, str, str, RunOptions], None] | None = None, **options) -> dict:
+    """Parses the gin config, checks every config, and runs `mode` in model_dir.
+
+    Args:
+      gin_files: gin files, applied in order (tfpod's gin/ folder is searched too); none:
+        model_dir/config.gin when it exists (the run's own config, e.g. an imported model's).
+      gin_params: bindings applied after them, e.g. "train.steps=200".
+      model_dir: the run's folder.
+      mode: a key of MODES.
+      check: called as check(configs, model_dir, mode, options) once the configs are built,
+        before the mode runs (main.py's preflight, tfpod.doctor.preflight); raises UserError to stop.
+      **options: RunOptions fields (mesh_spec or mesh, cpu_devices, device_type, checkpoint, model_name).
+
+    Returns:
+      The mode's result (train: {"step", "loss", "losses", "preempted"}; eval: the metrics).
+    """
+    from tfpod import goodput
+
+    goodput.mark_launch()  # main.py marked the process start already
+    if not model_dir:
+        raise UserError("--model_dir is required: the folder for checkpoints, config.gin and metrics")
+    if mode not in MODES:
+        raise UserError(f"--mode={mode!r}: use one of {', '.join(MODES)}")
+    configs = load_configs(gin_files, gin_params, model_dir)
+    run_options = RunOptions(**options)
+    if check is not None:
+        check(configs, model_dir, mode, run_options)
+    return MODES[mode](configs, model_dir, run_options)

@@ -51,6 +51,7 @@ def host_env(host_id: int, num_hosts: int, ports: list[int], devices_per_host: i
         "DTENSOR_JOBS": ",".join(f"localhost:{p}" for p in ports),
         "TFPOD_CPU_DEVICES": str(devices_per_host),
         "PYTHONUNBUFFERED": "1",
+        "TFPOD_HOST_PREFIXED": "1",  # this launcher prefixes each line with its host: the host need not
     })
     return env
 

@@ -21,7 +21,7 @@ gc.set_threshold(*tfpod.GC_THRESHOLDS)
 
 from absl import app, flags  # noqa: E402
 
-from tfpod import UserError, api, console, goodput, preemption  # noqa: E402
+from tfpod import UserError, api, console, doctor, goodput, preemption  # noqa: E402
 
 FLAGS = flags.FLAGS
 
@@ -44,6 +44,8 @@ flags.DEFINE_integer("plan_devices_per_host", None, "--mode=plan: devices per ho
 flags.DEFINE_integer("num_hosts", None, "hosts in a multi-host job (default: $DTENSOR_NUM_CLIENTS, else 1)")
 flags.DEFINE_integer("host_id", None, "this host's index (default: $DTENSOR_CLIENT_ID)")
 flags.DEFINE_string("host_addresses", None, "host:port of every host, comma-separated, in host order ($DTENSOR_JOBS)")
+flags.DEFINE_boolean("preflight", True, "train and eval: first the doctor's fast checks (tfpod.doctor: the build against "
+                     "the device asked, devices and mesh, model_dir space, input files); --nopreflight skips them")
 
 
 def main(argv) -> None:
@@ -59,7 +61,8 @@ def main(argv) -> None:
 
         runtime.configure_hosts(FLAGS.num_hosts, FLAGS.host_id, FLAGS.host_addresses)
         with console.quiet(enabled=not verbose and tfpod.USER_TF_LOG_LEVEL is None):
-            api.run(FLAGS.gin_file, FLAGS.gin_param, FLAGS.model_dir, FLAGS.mode, mesh_spec=FLAGS.mesh,
+            api.run(FLAGS.gin_file, FLAGS.gin_param, FLAGS.model_dir, FLAGS.mode,
+                    check=doctor.preflight if FLAGS.preflight else None, mesh_spec=FLAGS.mesh,
                     cpu_devices=FLAGS.cpu_devices, device_type=FLAGS.device_type, checkpoint=FLAGS.checkpoint,
                     model_name=FLAGS.model_name, plan_device=FLAGS.plan_device,
                     plan_num_devices=FLAGS.plan_num_devices, plan_devices_per_host=FLAGS.plan_devices_per_host)

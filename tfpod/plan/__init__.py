@@ -91,6 +91,22 @@ def plan_mode(configs, model_dir: str, mesh_spec: str, device_name: str | None, 
     return plan
 
 
+def predict_checkpoint_bytes(configs) -> tuple[int, int]:
+    """(bytes of one checkpoint, parameters) of a run, from the planner's lazy build (nothing
+    is allocated; memory.checkpoint_bytes)."""
+    import math
+
+    from tfpod import partitioning
+    from tfpod.plan import lazy, memory
+    from tfpod.precision import precision_policy
+
+    task, model_config = configs.task, configs.model
+    with precision_policy(configs.train.precision), lazy.recorded_build():
+        _, specs = partitioning.lazy_model(lambda: task.build(model_config), task.input_signature(model_config))
+    parameters = sum(math.prod(s.shape) for s in specs)
+    return memory.checkpoint_bytes(specs, configs.optimizer, adapters_only=configs.lora is not None), parameters
+
+
 def running_device(info) -> devices.DeviceSpec:
     """The spec of the devices this job runs on (cpu: measured; accelerators by name)."""
     if info.device_type == "CPU":
@@ -141,5 +157,5 @@ def choose_for_run(configs, mesh_spec: str, info, model_dir: str) -> str:
     return choice.mesh
 
 
-__all__ = ["Choice", "Planner", "choose_for_run", "devices", "plan_mode", "read_plan", "running_device", "search",
-           "summary"]
+__all__ = ["Choice", "Planner", "choose_for_run", "devices", "plan_mode", "predict_checkpoint_bytes", "read_plan",
+           "running_device", "search", "summary"]

@@ -146,3 +146,18 @@ def activation_bytes(profile: Profile, global_batch: int, table: Mapping, mesh: 
                  "gradient_accumulators": accumulated, "microbatches_alive": alive,
                  "blocks_per_device": blocks_here, "block_bytes": one_block, "microbatch_rows": rows}
     return ActivationBytes(blocks + outside + recompute, working + gathered + accumulated, breakdown)
+
+
+def checkpoint_bytes(specs: Sequence, optimizer_config, adapters_only: bool = False) -> int:
+    """Bytes of one checkpoint on disk (tfpod.train_state: the weights and the optimizer's
+    slots; weight-update sharding's working copies are not saved), over all devices.
+
+    Args:
+      specs: the model's VarSpecs.
+      optimizer_config: the optimizer (its slots per trainable weight).
+      adapters_only: a LoRA run: its checkpoints hold the trained adapters alone (the frozen
+        base is read from its own checkpoint).
+    """
+    trained = sum(math.prod(s.shape) * s.dtype.size for s in specs if s.trainable)
+    frozen = 0 if adapters_only else sum(math.prod(s.shape) * s.dtype.size for s in specs if not s.trainable)
+    return trained * (1 + slots(optimizer_config)) + frozen
