@@ -145,7 +145,7 @@ def soak_faults(args, run_dir: str, eval_file: str, rng, log) -> dict:
     main = main[main.index("--") + 1:] if args.hosts > 1 else [a for a in main if a != "--cpu_devices=8"]
     main += ["--gin_param=train.hang_min_s=5", "--gin_param=train.hang_factor=10"]
     cmd = [sys.executable, "-m", "tfpod.launch", f"--num_hosts={args.hosts}", f"--devices_per_host={8 // args.hosts}",
-           f"--max_restarts={args.faults + 5}", "--restart_backoff_s=0.5", "--"] + main
+           f"--max_restarts={args.faults + 5}", "--restart_backoff_s=0.5", "--restart_reset_s=5", "--"] + main
     log(f"TFPOD_FAULT={spec}")
     with open(os.path.join(args.out, "faults.log"), "w+") as output:
         proc = subprocess.run(cmd, cwd=ROOT, stdout=output, stderr=subprocess.STDOUT, text=True,

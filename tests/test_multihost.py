@@ -352,6 +352,12 @@ def test_the_launcher_never_restarts_after_a_sigterm_and_stops_after_max_restart
     assert sorted(starts()) == ["0", "0", "1", "1", "2", "2"]
     assert out.stderr.strip().splitlines()[-1].startswith("error: host 1 exited with status 5 after 2 automatic "
                                                           "restart(s)")
+    assert re.findall(r"again in ([\d.]+) s", out.stderr) == ["0.1", "0.2"]  # doubled at each restart in a row
+    # a start that ran --restart_reset_s before failing was healthy: the next wait is the first again
+    os.remove(tmp_path / "starts")
+    out = subprocess.run(launcher("fail")[:5] + ["--restart_reset_s=0"] + launcher("fail")[5:], cwd=ROOT,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 5 and re.findall(r"again in ([\d.]+) s", out.stderr) == ["0.1", "0.1"]
     os.remove(tmp_path / "starts")
     proc = subprocess.Popen(launcher("wait"), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.time() + 60

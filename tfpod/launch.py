@@ -108,13 +108,15 @@ def _run_hosts(num_hosts: int, devices_per_host: int, command: list[str], out, r
 
 
 def launch(num_hosts: int, devices_per_host: int, command: list[str], out=sys.stdout, max_restarts: int = 0,
-           backoff_s: float = 2.0) -> int:
+           backoff_s: float = 2.0, reset_s: float = 600.0) -> int:
     """Runs `command` as `num_hosts` local hosts; returns 0 or the last failure's code.
 
     After a host fails (exits non-zero or is killed), every host is stopped and, up to
     `max_restarts` times, all are started again (they resume from the newest complete
-    checkpoint), after `backoff_s`, doubled at each restart (at most 5 minutes). A SIGTERM
-    (preemption) is passed to every host and is never followed by a restart.
+    checkpoint), after `backoff_s`, doubled at each restart in a row (at most 5 minutes); a
+    start that ran `reset_s` or longer before failing counts as healthy, so the wait after it
+    is `backoff_s` again (Kubernetes resets a pod's crash backoff so). A SIGTERM (preemption)
+    is passed to every host and is never followed by a restart.
     """
     state = {"procs": [], "stopping": False}
 
@@ -133,14 +135,17 @@ def launch(num_hosts: int, devices_per_host: int, command: list[str], out=sys.st
         previous = signal.signal(signal.SIGTERM, forward)
     except ValueError:  # not the main thread: SIGTERM keeps its default action
         previous = None
-    restarts = 0
+    restarts = in_a_row = 0
     try:
         while True:
+            started = time.time()
             failed = _run_hosts(num_hosts, devices_per_host, command, out, restarts, state)
             if failed is None or failed[0] is None or state["stopping"] or restarts >= max_restarts:
                 break
             restarts += 1
-            wait = min(backoff_s * 2 ** (restarts - 1), 300.0)
+            in_a_row = 0 if time.time() - started >= reset_s else in_a_row
+            wait = min(backoff_s * 2 ** in_a_row, 300.0)
+            in_a_row += 1
             print(f"launcher: host {failed[0]} {_describe(failed[1])}: starting every host again in {wait:g} s, "
                   f"from the newest complete checkpoint (restart {restarts} of --max_restarts={max_restarts})",
                   file=sys.stderr, flush=True)
@@ -178,18 +183,21 @@ def main(argv: list[str] | None = None) -> int:
                         help="start every host again (from the newest complete checkpoint) after a host fails, "
                              "up to this many times; never after a SIGTERM")
     parser.add_argument("--restart_backoff_s", type=float, default=2.0,
-                        help="seconds before the first restart, doubled at each one (at most 300)")
+                        help="seconds before the first restart, doubled at each one in a row (at most 300)")
+    parser.add_argument("--restart_reset_s", type=float, default=600.0,
+                        help="a start that ran this long before failing was healthy: the next wait is "
+                             "--restart_backoff_s again")
     args = parser.parse_args(argv[:split])
     command = argv[split + 1:]
     if args.num_hosts < 1 or args.devices_per_host < 1 or not command:
         print("error: --num_hosts and --devices_per_host must be positive, and a command must follow --", file=sys.stderr)
         return 2
-    if args.max_restarts < 0 or args.restart_backoff_s < 0:
-        print(f"error: --max_restarts={args.max_restarts} and --restart_backoff_s={args.restart_backoff_s} must be "
-              ">= 0", file=sys.stderr)
+    if args.max_restarts < 0 or args.restart_backoff_s < 0 or args.restart_reset_s < 0:
+        print(f"error: --max_restarts={args.max_restarts}, --restart_backoff_s={args.restart_backoff_s} and "
+              f"--restart_reset_s={args.restart_reset_s} must be >= 0", file=sys.stderr)
         return 2
     return launch(args.num_hosts, args.devices_per_host, command, max_restarts=args.max_restarts,
-                  backoff_s=args.restart_backoff_s)
+                  backoff_s=args.restart_backoff_s, reset_s=args.restart_reset_s)
 
 
 def console_main() -> None:
