@@ -66,12 +66,14 @@ def _launch(d, shm, steps, max_restarts=0, fault=None):
 def test_every_process_killed_between_storage_checkpoints_resumes_from_memory_and_a_lost_snapshot_from_its_peer(
         tmp_path):
     """2 hosts x 4 devices (data:2,model:4) reading the lm_tiny corpus; storage checkpoints every
-    10 steps, in-memory snapshots every 3. Every process is killed with SIGKILL before step 14
-    (TFPOD_FAULT=kill@14); host 1's own snapshots are then deleted (a replaced machine). The
-    relaunch resumes from the snapshot of step 12, host 0 from its own and host 1 from the copy
-    host 0 holds, not from storage's step 10; killed again before step 17, the launcher's restart
-    resumes from the snapshots of step 15; the run ends with the losses, input order and
-    checkpoint of an uninterrupted run, bit for bit, and leaves nothing in memory."""
+    10 steps, in-memory snapshots every 3. Every process is killed with SIGKILL before step 9
+    (TFPOD_FAULT=kill@9:0: host 0 kills itself, the launcher then host 1), before any storage
+    checkpoint; host 1's own snapshots are then deleted
+    (a replaced machine). The relaunch resumes from the snapshot of step 6, host 0 from its own
+    and host 1 from the copy host 0 holds, with both input positions; killed again before step
+    17, the launcher's restart resumes from the snapshots of step 15, not from storage's step 10;
+    the run ends with the losses, input order and checkpoint of an uninterrupted run, bit for
+    bit, and leaves nothing in memory."""
     from test_multihost import logged_losses
     from test_reliability import checkpoint_values
 
@@ -80,28 +82,33 @@ def test_every_process_killed_between_storage_checkpoints_resumes_from_memory_an
     assert reference.returncode == 0, reference.stderr[-3000:]
 
     d = tmp_path / "run"
-    killed = _launch(d, shm, 20, fault="kill@14,kill@17")
+    killed = _launch(d, shm, 20, fault="kill@9:0,kill@17:0")
     assert killed.returncode != 0 and "killed by SIGKILL" in killed.stderr, killed.stderr[-3000:]
-    assert "in-memory snapshot of step 12" in killed.stdout
+    assert "in-memory snapshot of step 6" in killed.stdout
     (run_folder,) = shm.iterdir()
-    assert sorted(p.name for p in (run_folder / "host1" / "own").iterdir()) == ["step-12"]
-    assert sorted(p.name for p in (run_folder / "host0" / "copies" / "host1").iterdir()) == ["step-12"]
+    assert sorted(p.name for p in (run_folder / "host1" / "own").iterdir()) == ["step-6"]
+    assert sorted(p.name for p in (run_folder / "host0" / "copies" / "host1").iterdir()) == ["step-6"]
     shutil.rmtree(run_folder / "host1" / "own")
 
-    rerun = _launch(d, shm, 20, max_restarts=1, fault="kill@14,kill@17")
+    rerun = _launch(d, shm, 20, max_restarts=1, fault="kill@9:0,kill@17:0")
     out = rerun.stdout
     assert rerun.returncode == 0, (out + rerun.stderr)[-3000:]
-    assert "[host 0] " + "" in out and "resumed from the in-memory snapshot of step 12 (this host's own" in out
-    assert "resumed from the in-memory snapshot of step 12 (its copy held by host 0" in out
-    assert f"the newest storage checkpoint is {d}/checkpoints/ckpt-10" in out
+    assert out.count("resumed from the in-memory snapshot of step 6 (this host's own") == 1  # host 0
+    assert "resumed from the in-memory snapshot of step 6 (its copy held by host 0" in out  # host 1
+    assert out.count("the newest storage checkpoint is none") == 2
     assert out.count("resumed from the in-memory snapshot of step 15 (this host's own") == 2
-    assert out.count("input resumed at step 12 from") == 2 and out.count("input resumed at step 15 from") == 2
+    assert out.count(f"the newest storage checkpoint is {d}/checkpoints/ckpt-10") == 2
+    assert out.count("input resumed at step 6 from") == 2 and out.count("input resumed at step 15 from") == 2
+    assert "does not fit" not in out and "starts from its beginning" not in out
     assert "fault injected: kill@17" in out and "(1 automatic restart(s))" in out
 
-    # Trained again: only the steps after each snapshot (13; 16), not those after storage's step 10.
+    # Trained again: only the steps after each snapshot (7, 8; 16), not those after storage's step 10.
+    # (A host can be a step ahead of another: host 0 reads its step's loss before host 1 has
+    # finished the step's update, so a kill one step after a snapshot may find host 1 writing it;
+    # and a fault on every host need not fire on each: the first host's death ends the others.)
     records = [json.loads(line) for line in open(d / "metrics.jsonl")]
     times = {s: sum(1 for r in records if r["kind"] == "train" and r["step"] == s) for s in range(1, 21)}
-    assert [s for s, n in times.items() if n > 1] == [13, 16], times
+    assert [s for s, n in times.items() if n > 1] == [7, 8, 16], times
     want, got = logged_losses(tmp_path / "one"), logged_losses(d)
     assert sorted(got) == list(range(1, 21))
     np.testing.assert_array_equal([got[s] for s in range(1, 21)], [want[s] for s in range(1, 21)])

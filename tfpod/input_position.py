@@ -64,6 +64,9 @@ class InputCheckpoint:
         os.makedirs(directory, exist_ok=True)
         if self.source is not None:
             write_atomically(self._source_path(step, directory), json.dumps(self.source, indent=1, sort_keys=True))
+        # The count of saves, created now if no save made it yet: `restore` checks that every
+        # object it holds got a value, and `write` leaves out a count that does not exist.
+        self._ckpt.save_counter  # noqa: B018
         self._ckpt.write(os.path.join(directory, f"ckpt-{step}"))
 
     def restore(self, step: int, strict: bool = False, directory: str | None = None) -> str:
