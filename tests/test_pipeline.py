@@ -192,3 +192,7 @@ def test_every_stage_takes_a_share_of_every_host():
         [f"/job:worker/replica:0/task:1/device:CPU:{i}" for i in (0, 1)],
         [f"/job:worker/replica:0/task:1/device:CPU:{i}" for i in (2, 3)]]
     assert [loc["data"] for loc in meshes[1].local_device_locations()] == [1, 1]
+    # One host: the local job's names, unless a launcher made it a job of one (its DTENSOR_JOB_NAME).
+    alone, launched = (stages.stage_meshes([("data", 2)], 2, "CPU", 1, 0, 4, job) for job in (None, "worker"))
+    assert alone[1].local_devices()[0] == "/job:localhost/replica:0/task:0/device:CPU:2"
+    assert launched[1].local_devices()[0] == "/job:worker/replica:0/task:0/device:CPU:2"
