@@ -31,6 +31,14 @@ def checkpoint_values(path: str) -> dict[str, np.ndarray]:
             if k.endswith("/.ATTRIBUTES/VARIABLE_VALUE") and not k.startswith("save_counter")}
 
 
+def assert_same_checkpoint(path: str, reference: str) -> None:
+    """Checkpoints `path` and `reference` hold the same variables with the same values, bit for bit."""
+    want, got = checkpoint_values(reference), checkpoint_values(path)
+    assert got.keys() == want.keys()
+    for k in want:
+        np.testing.assert_array_equal(got[k], want[k], err_msg=k)
+
+
 def logged_losses(model_dir) -> dict[int, float]:
     """step -> loss from metrics.jsonl; a step logged twice (replayed after a kill) keeps the last."""
     out = {}

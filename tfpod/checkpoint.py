@@ -257,21 +257,26 @@ class CheckpointManager:
         started = time.time()
         entries = self._writer.snapshot()
         copied = time.time() - started
-        bad = sorted({key.split("/.ATTRIBUTES")[0] for key, _, value in entries
-                      if value.dtype.is_floating and not np.isfinite(value.numpy()).all()})
-        found = bool(bad) if dtensor.num_clients() == 1 else meshlib.any_host(bool(bad), self._step_mesh)
-        if found:
+        bad = self._nonfinite(entries)
+        if bad is not None:
             self._checked = None
             raise NonfiniteState(step, bad or ["(on another host)"], self.latest)
         self._checked = (step, entries, copied)
+
+    def _nonfinite(self, entries) -> list[str] | None:
+        """The variables among this host's host copies `entries` that hold a NaN or Inf, or None
+        when no host's do (the hosts agree, `mesh.any_host`: all see a finding or none does)."""
+        bad = sorted({key.split("/.ATTRIBUTES")[0] for key, _, value in entries
+                      if value.dtype.is_floating and not np.isfinite(value.numpy()).all()})
+        found = bool(bad) if dtensor.num_clients() == 1 else meshlib.any_host(bool(bad), self._step_mesh)
+        return bad if found else None
 
     def snapshot(self, write_input) -> float:
         """Writes this host's in-memory snapshot of the current step (`write_input(folder, step)`:
         its input position) unless the state holds a NaN or Inf; returns the seconds it took."""
         started, step = time.time(), int(self._step.numpy())
         entries, graph = self._writer.local_snapshot()
-        bad = any(value.dtype.is_floating and not np.isfinite(value.numpy()).all() for _, _, value in entries)
-        if (bad if dtensor.num_clients() == 1 else meshlib.any_host(bad, self._step_mesh)):
+        if self._nonfinite(entries) is not None:
             log.warning("no in-memory snapshot of step %d: the state holds NaN or Inf", step)
             return time.time() - started
         size = self.memory.save(step, entries, graph, write_input)

@@ -42,9 +42,7 @@ class InputCheckpoint:
 
     def save(self, step: int) -> None:
         try:
-            if self.source is not None:  # first: the position never exists without what it describes
-                os.makedirs(self.directory, exist_ok=True)
-                write_atomically(self._source_path(step), json.dumps(self.source, indent=1, sort_keys=True))
+            self._write_source(self.directory, step)  # first: the position never exists without what it describes
             self._manager.save(checkpoint_number=step)
         except (tf.errors.OpError, OSError) as e:  # a full disk, a quota, a lost mount
             raise UserError(f"the input position of step {step} could not be written to {self.directory} "
@@ -55,6 +53,11 @@ class InputCheckpoint:
             if os.path.basename(f)[: -len(".source.json")] not in kept:
                 tf.io.gfile.remove(f)
 
+    def _write_source(self, directory: str, step: int) -> None:
+        if self.source is not None:
+            os.makedirs(directory, exist_ok=True)
+            write_atomically(self._source_path(step, directory), json.dumps(self.source, indent=1, sort_keys=True))
+
     def _source_path(self, step: int, directory: str | None = None) -> str:
         return os.path.join(directory or self.directory, f"ckpt-{step}.source.json")
 
@@ -62,8 +65,7 @@ class InputCheckpoint:
         """Writes the position of `step` and its source to `directory` (an in-memory snapshot's,
         tfpod.memory_checkpoint), as `save` does to this host's folder of positions."""
         os.makedirs(directory, exist_ok=True)
-        if self.source is not None:
-            write_atomically(self._source_path(step, directory), json.dumps(self.source, indent=1, sort_keys=True))
+        self._write_source(directory, step)
         # The count of saves, created now if no save made it yet: `restore` checks that every
         # object it holds got a value, and `write` leaves out a count that does not exist.
         self._ckpt.save_counter  # noqa: B018
