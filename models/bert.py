@@ -125,7 +125,7 @@ NORM_EPSILON = 1e-12  # of BertEncoderV2's blocks (TransformerEncoderBlock's def
 # column-parallel query/key/value and MLP-in, row-parallel attention-out and MLP-out.
 AXIS_RULES = (
     AxisRule(r".*/word_embeddings/embeddings", ("vocab", "embed")),
-    AxisRule(r".*/position_embedding/embeddings", ("length", "embed")),
+    AxisRule(r".*/position_embedding/embeddings", (None, "embed")),
     AxisRule(r".*/type_embeddings/embeddings", (None, "embed")),
     AxisRule(r".*/embeddings/layer_norm/(gamma|beta)", ("embed",)),
     AxisRule(r".*/self_attention/(query|key|value)/kernel", ("embed", "heads", "kv")),

@@ -86,7 +86,7 @@ class GPTConfig:
 # Variable names are "<model>/<layer>/.../<weight>"; one rule per kind of weight.
 AXIS_RULES = (
     AxisRule(r".*/token_embedding/embeddings", ("vocab", "embed")),
-    AxisRule(r".*/position_embedding/embeddings", ("length", "embed")),
+    AxisRule(r".*/position_embedding/embeddings", (None, "embed")),
     AxisRule(r".*/self_attention/(query|key|value)/kernel", ("embed", "heads", "kv")),
     AxisRule(r".*/self_attention/(query|key|value)/bias", ("heads", "kv")),
     AxisRule(r".*/self_attention/attention_output/kernel", ("heads", "kv", "embed")),

@@ -51,7 +51,7 @@ from tfpod.partitioning.placement import (Placement, batch_mesh_axis, check_micr
                                          place, split_microbatches)
 from tfpod.partitioning.report import bytes_per_device, layout_report
 from tfpod.partitioning.presets import PRESETS, Preset, get_preset
-from tfpod.partitioning.rules import (LOGICAL_AXES, AxisRule, ShardingConfig, VarSpec,
+from tfpod.partitioning.rules import (CONTEXT_AXIS, LOGICAL_AXES, AxisRule, ShardingConfig, VarSpec,
                                       check_mesh_axes, layout_for, resolve, rules_table)
 
 __all__ = [
@@ -80,6 +80,7 @@ __all__ = [
     "split_microbatches",
     "bytes_per_device",
     "layout_report",
+    "CONTEXT_AXIS",
     "LOGICAL_AXES",
     "PRESETS",
     "Preset",

@@ -152,7 +152,7 @@ class Placement:
         stages = tuple(mesh) if isinstance(mesh, (list, tuple)) else ()
         if stages:
             mesh = stages[0]
-        placement = cls(mesh, config.table(default_preset), config.optimizer_axis(default_preset),
+        placement = cls(mesh, config.table(default_preset, mesh.dim_names), config.optimizer_axis(default_preset),
                         config.gather_axis(default_preset), stages if len(stages) > 1 else (),
                         get_preset(config.preset or default_preset))
         if check:

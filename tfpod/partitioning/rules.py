@@ -27,6 +27,10 @@ SPLIT_WHEN_DIVISIBLE = ("kv_heads",)
 
 AxisNames = tuple  # tuple[str | None, ...]: one logical axis (or None) per dimension
 
+# The mesh axis of context parallelism: on a mesh with it, the activations' sequence axes
+# (`length` inside blocks, `sequence` between them) are split over it (docs/attention.md).
+CONTEXT_AXIS = "context"
+
 
 
 @dataclasses.dataclass(frozen=True)
@@ -259,10 +263,16 @@ class ShardingConfig:
             raise UserError(f"sharding.pipeline_schedule={self.pipeline_schedule!r}: use one of "
                             f"{', '.join(PIPELINE_SCHEDULES)}")
 
-    def table(self, default_preset: str) -> dict[str, str | None]:
+    def table(self, default_preset: str, mesh_axes: Iterable[str] = ()) -> dict[str, str | None]:
+        """The rules table on a mesh with `mesh_axes`: the preset's, `rules`, sequence
+        parallelism (`sequence` over `model`), and with a `context` axis context parallelism
+        (`length` and, unless sequence parallelism took it, `sequence` over `context`)."""
         overrides = dict(self.rules or {})
         if self.sequence_parallel:
             overrides.setdefault("sequence", "model")
+        if CONTEXT_AXIS in mesh_axes:
+            overrides.setdefault("length", CONTEXT_AXIS)
+            overrides.setdefault("sequence", CONTEXT_AXIS)
         return rules_table(self.preset or default_preset, overrides)
 
     def optimizer_axis(self, default_preset: str) -> str | None:
