@@ -7,22 +7,32 @@ The mask is never a tensor of its own: a query may attend a key when their segme
 equal (packed documents; padding is a segment of its own, 0 by convention) and, with
 `causal`, when the key's position is not after the query's. Each block's additive mask
 (-1e9 where not allowed, as the materialized path's) is made from the block's positions and
-segment ids. Blocks wholly above the diagonal of a causal mask are skipped (known when the
-positions are static: 0..L-1 plus an offset).
+segment ids.
 
-Forward, per query block: a running row max m and sum l over key blocks,
+Keys go in blocks of `block_size`; queries in a few groups (`QUERY_GROUPS` contiguous
+groups of whole blocks, or under context parallelism each device's two chunks: see
+`context_attention`). A (group, key block) pair wholly above the diagonal of a causal mask
+is skipped, known from the group's static position bounds. Forward, per query group: a
+running row max m and sum l over its key blocks,
 
-    s = q_i k_j^T * scale + mask_ij;  m' = max(m, rowmax s);  p = exp(s - m')
+    s = q_g k_j^T * scale + mask_gj;  m' = max(m, rowmax s);  p = exp(s - m')
     l = l * exp(m - m') + rowsum p;    acc = acc * exp(m - m') + dropout(p) v_j
 
-and out_i = acc / l; only out and the row statistics lse = m + log l are kept. Backward,
-per block, with D = rowsum(dout * out) (which holds with dropout too):
+and out_g = acc / l; only out and the row statistics lse = m + log l are kept. Backward,
+per pair, with D = rowsum(dout * out) (which holds with dropout too):
 
-    p = exp(s - lse);  dv_j += dropout(p)^T dout_i;  dp = dropout'(dout_i v_j^T)
-    ds = p * (dp - D);  dq_i += ds k_j * scale;  dk_j += ds^T q_i * scale
+    p = exp(s - lse);  dv_j += dropout(p)^T dout_g;  dp = dropout'(dout_g v_j^T)
+    ds = p * (dp - D);  dq_g += ds k_j * scale;  dk_j += ds^T q_g * scale
 
-Dropout on the probabilities draws each block's keep mask from a stateless seed and the
-block's indices, so the backward draws the same masks (`keep_mask`).
+Each pair starts after the previous one's results (control dependencies): the executor
+would otherwise make many pairs' scores at once. So memory is linear in the length (one
+pair's [batch, heads, group rows, block] temporaries), and so is the graph (at most
+groups x key blocks pairs; a pair per query block and key block made a graph, and its
+memory, quadratic in the length). With 4 groups a causal mask costs 5/8 of the whole
+matrix's work (1/2 is the least; the materialized path skips 1/4 of it).
+
+Dropout on the probabilities draws each pair's keep mask from a stateless seed and the
+pair's indices, so the backward draws the same masks (`keep_mask`).
 
 `materialized` is the same function with the whole [batch, heads, Lq, Lk] matrix (the path
 tfpod used before; tests compare the two).
@@ -130,14 +140,159 @@ def mask_bias(q_segments, k_segments, q_positions, k_positions, causal: bool, dt
 
 def keep_mask(seed, shape, rate: float, block: tuple[int, int], dtype) -> tf.Tensor:
     """The dropout scale of one block's probabilities: 0 where dropped, 1 / (1 - rate) where kept,
-    drawn from `seed` ([2] int) and the block's (query block, key block) indices."""
+    drawn from `seed` ([2] int) and the block's (query group, key block) indices."""
     block_seed = tf.stack([seed[0] + block[0] * 1_000_003 + block[1], seed[1]])
     keep = tf.random.stateless_uniform(shape, block_seed, dtype=tf.float32) >= rate
     return tf.cast(keep, dtype) * tf.cast(1.0 / (1.0 - rate), dtype)
 
 
+QUERY_GROUPS = 4  # query rows are taken in at most this many groups (see `blockwise`)
+
+
 def _blocks(length: int, size: int) -> list[tuple[int, int]]:
     return [(start, min(size, length - start)) for start in range(0, length, size)]
+
+
+def query_groups(length: int, block_size: int, groups: int = QUERY_GROUPS) -> list[tuple[int, int]]:
+    """(start, size) of the contiguous query groups `blockwise` takes a sequence in: at most
+    `groups`, whole blocks each where the length allows."""
+    blocks = -(-length // block_size)
+    per = -(-blocks // min(groups, blocks)) * block_size
+    return _blocks(length, per)
+
+
+@dataclasses.dataclass(frozen=True)
+class Group:
+    """Some query rows of attention: their positions (an int tensor broadcasting against the
+    rows, e.g. [rows] or [chunks, rows]), segment ids ([batch, *rows] or None) and static
+    bounds on their positions (`low` <= position < `high`: a key block wholly at or after
+    `high` is skipped under a causal mask, one wholly below `low` needs no causal mask)."""
+    positions: tf.Tensor
+    segments: tf.Tensor | None
+    low: int
+    high: int
+
+
+def block_attention(q, k, v, split, merge, groups, k_segments, causal: bool, block_size: int,
+                    dropout_rate: float = 0.0, seed=None, k_offset: int = 0) -> tf.Tensor:
+    """softmax(q k^T / sqrt(d) + mask) v, key block by key block, for queries taken in groups.
+
+    Args:
+      q: the queries; `split(q)` gives one [batch, heads, *rows, d] tensor per group, and
+        `merge` of such a list (the output's, the gradient's) gives q's shape back.
+      k, v: [batch, heads, Lk, d], static length; k_segments [batch, Lk] or None.
+      groups: one `Group` per split piece (its rows' positions, segments and bounds).
+      causal: a query attends no key at a later position; block_size: keys per block.
+      dropout_rate, seed: dropout on the probabilities; `seed` a [2] int tensor.
+      k_offset: the position of k's first row.
+
+    Every (group, key block) pair that some query of the group may attend is one step of
+    the online softmax (forward) and of the recomputed gradient (backward); each pair's
+    scores are made after the previous pair's results, so the executor holds one pair's
+    temporaries at a time ([batch, heads, rows, block]), and the graph has at most
+    len(groups) x key blocks pairs: memory and graph both linear in the length.
+    """
+    lk = k.shape[2]
+    if lk is None:
+        raise ValueError("blockwise attention needs static sequence lengths")
+    if dropout_rate and seed is None:
+        raise ValueError("blockwise attention with dropout needs a seed")
+    k_blocks = _blocks(lk, block_size)
+    scale = q.shape[-1] ** -0.5
+    rank = None
+
+    def pairs(g: Group):
+        for j, (ks, kn) in enumerate(k_blocks):
+            if causal and ks + k_offset >= g.high:
+                continue  # every key of the block is after every query of the group
+            yield j, causal and ks + kn - 1 + k_offset >= g.low  # some key may be after some query
+
+    def contract(equation_4d: str, a, b):
+        if a.shape.rank == 4 and b.shape.rank == 4:
+            return tf.einsum(equation_4d, a, b)
+        # a group of [batch, heads, chunks, rows, d] (context parallelism): one more letter
+        ins, out = equation_4d.split("->")
+        x, y = ins.split(",")
+        widen = lambda t, r: t if r == 4 else t[:2] + "c" + t[2:]
+        return tf.einsum(f"{widen(x, a.shape.rank)},{widen(y, b.shape.rank)}->{widen(out, 5)}", a, b)
+
+    def scores(qg, g: Group, j: int, masked: bool):
+        ks, kn = k_blocks[j]
+        s = tf.cast(contract("bhqd,bhkd->bhqk", qg, k[:, :, ks:ks + kn]) * tf.cast(scale, qg.dtype), tf.float32)
+        k_positions = tf.range(ks, ks + kn) + k_offset
+        allowed = None
+        if g.segments is not None:
+            k_seg = k_segments[:, ks:ks + kn]
+            for _ in range(g.segments.shape.rank - 1):
+                k_seg = tf.expand_dims(k_seg, 1)
+            allowed = tf.equal(tf.expand_dims(g.segments, -1), k_seg)  # [batch, *rows, kn]
+        if masked:
+            lower = tf.expand_dims(g.positions, -1) >= k_positions  # [*rows, kn]
+            allowed = lower if allowed is None else tf.logical_and(allowed, lower)
+        if allowed is None:
+            return s
+        if allowed.shape.rank == s.shape.rank - 2:  # positions only: a batch dimension of 1
+            allowed = tf.expand_dims(allowed, 0)
+        return s + tf.expand_dims((1.0 - tf.cast(allowed, tf.float32)) * NEG, 1)  # heads broadcast
+
+    def drop(p, gi, j):
+        return p if not dropout_rate else p * keep_mask(seed, tf.shape(p), dropout_rate, (gi, j), p.dtype)
+
+    @tf.custom_gradient
+    def core(q, k, v):
+        outs, stats, last = [], [], []
+        for gi, (qg, g) in enumerate(zip(split(q), groups)):
+            m = l = acc = None
+            for j, masked in pairs(g):
+                ks, kn = k_blocks[j]
+                with tf.control_dependencies(last):
+                    s = scores(qg, g, j, masked)
+                    row_max = tf.reduce_max(s, axis=-1, keepdims=True)
+                    m_new = row_max if m is None else tf.maximum(m, row_max)
+                    p = tf.exp(s - m_new)
+                    pv = tf.cast(contract("bhqk,bhkd->bhqd", tf.cast(drop(p, gi, j), v.dtype), v[:, :, ks:ks + kn]),
+                                 tf.float32)
+                if m is None:
+                    l, acc = tf.reduce_sum(p, axis=-1, keepdims=True), pv
+                else:
+                    correction = tf.exp(m - m_new)
+                    l = l * correction + tf.reduce_sum(p, axis=-1, keepdims=True)
+                    acc = acc * correction + pv
+                m, last = m_new, [acc]
+            if m is None:  # no key at all: zeros (cannot happen with positions from 0)
+                outs.append(tf.zeros_like(qg))
+                stats.append(tf.zeros_like(qg[..., :1], tf.float32))
+                continue
+            outs.append(tf.cast(acc / l, q.dtype))
+            stats.append(m + tf.math.log(l))
+        out = merge(outs)
+
+        def grad(d_out):
+            d_q, d_k, d_v, last = [], [None] * len(k_blocks), [None] * len(k_blocks), []
+            add = lambda acc, x: x if acc is None else acc + x
+            for gi, (qg, do, o, lse, g) in enumerate(zip(split(q), split(d_out), outs, stats, groups)):
+                row = tf.reduce_sum(tf.cast(do, tf.float32) * tf.cast(o, tf.float32), axis=-1, keepdims=True)
+                dq = None
+                for j, masked in pairs(g):
+                    ks, kn = k_blocks[j]
+                    kj, vj = k[:, :, ks:ks + kn], v[:, :, ks:ks + kn]
+                    with tf.control_dependencies(last):  # (all of the pair: else dp is made early)
+                        p = tf.exp(scores(qg, g, j, masked) - lse)
+                        keep = keep_mask(seed, tf.shape(p), dropout_rate, (gi, j), tf.float32) if dropout_rate else None
+                        d_v[j] = add(d_v[j], contract("bhqk,bhqd->bhkd", tf.cast(p if keep is None else p * keep, v.dtype), do))
+                        dp = tf.cast(contract("bhqd,bhkd->bhqk", do, vj), tf.float32)
+                        ds = tf.cast(p * ((dp if keep is None else dp * keep) - row), q.dtype) * tf.cast(scale, q.dtype)
+                        dq = add(dq, contract("bhqk,bhkd->bhqd", ds, kj))
+                        d_k[j] = add(d_k[j], contract("bhqk,bhqd->bhkd", ds, qg))
+                    last = [dq, d_k[j], d_v[j]]
+                d_q.append(tf.zeros_like(qg) if dq is None else dq)
+            fill = lambda parts, like: tf.concat(
+                [x if x is not None else tf.zeros_like(like[:, :, s:s + n]) for x, (s, n) in zip(parts, k_blocks)], axis=2)
+            return merge(d_q), fill(d_k, k), fill(d_v, v)
+
+        return out, grad
+
+    return core(q, k, v)
 
 
 @tf.autograph.experimental.do_not_convert
@@ -149,104 +304,26 @@ def blockwise(q, k, v, q_segments=None, k_segments=None, causal: bool = False, b
       q: [batch, heads, Lq, d]; k, v: [batch, heads, Lk, d] (static lengths).
       q_segments, k_segments: [batch, Lq], [batch, Lk] segment ids, or None.
       causal: a query attends no key at a later position.
-      block_size: queries and keys per block.
+      block_size: keys per block; the queries go in at most QUERY_GROUPS contiguous
+        groups of whole blocks (`query_groups`).
       dropout_rate, seed: dropout on the probabilities; `seed` a [2] int tensor.
       q_offset, k_offset: the positions of q's and k's first rows (a chunk of a sequence).
 
     Returns:
       [batch, heads, Lq, d] in q's dtype.
     """
-    lq, lk = q.shape[2], k.shape[2]
-    if lq is None or lk is None:
+    lq = q.shape[2]
+    if lq is None:
         raise ValueError("blockwise attention needs static sequence lengths")
-    q_blocks, k_blocks = _blocks(lq, block_size), _blocks(lk, block_size)
-    scale = q.shape[-1] ** -0.5
-    if dropout_rate and seed is None:
-        raise ValueError("blockwise attention with dropout needs a seed")
-
-    def pairs():
-        """(query block, key block) index pairs with a key any query may attend (static)."""
-        for i, (qs, qn) in enumerate(q_blocks):
-            for j, (ks, kn) in enumerate(k_blocks):
-                if causal and ks + k_offset > qs + qn - 1 + q_offset:
-                    continue  # every key of the block is after every query of it
-                yield i, j
-
-    plan = {}
-    for i, j in pairs():
-        plan.setdefault(i, []).append(j)
-
-    def block_terms(qi, kj, i, j, q_seg, k_seg):
-        (qs, qn), (ks, kn) = q_blocks[i], k_blocks[j]
-        s = tf.matmul(qi, kj, transpose_b=True) * tf.cast(scale, qi.dtype)  # [b, h, qn, kn]
-        s = tf.cast(s, tf.float32)
-        needs_causal = causal and ks + kn - 1 + k_offset > qs + q_offset  # some key after some query
-        bias = mask_bias(None if q_seg is None else q_seg[:, qs:qs + qn],
-                         None if k_seg is None else k_seg[:, ks:ks + kn],
-                         tf.range(qs, qs + qn) + q_offset, tf.range(ks, ks + kn) + k_offset, needs_causal, tf.float32)
-        return s if bias is None else s + bias
-
-    def drop(p, i, j):
-        if not dropout_rate:
-            return p
-        return p * keep_mask(seed, tf.shape(p), dropout_rate, (i, j), p.dtype)
-
-    @tf.custom_gradient
-    def core(q, k, v):
-        outs, stats = [], []
-        for i, (qs, qn) in enumerate(q_blocks):
-            qi = q[:, :, qs:qs + qn]
-            m = l = acc = None
-            for j in plan.get(i, []):
-                ks, kn = k_blocks[j]
-                s = block_terms(qi, k[:, :, ks:ks + kn], i, j, q_segments, k_segments)
-                row_max = tf.reduce_max(s, axis=-1, keepdims=True)
-                m_new = row_max if m is None else tf.maximum(m, row_max)
-                p = tf.exp(s - m_new)
-                pv = tf.matmul(tf.cast(drop(p, i, j), v.dtype), v[:, :, ks:ks + kn])
-                if m is None:
-                    l, acc = tf.reduce_sum(p, axis=-1, keepdims=True), tf.cast(pv, tf.float32)
-                else:
-                    correction = tf.exp(m - m_new)
-                    l = l * correction + tf.reduce_sum(p, axis=-1, keepdims=True)
-                    acc = acc * correction + tf.cast(pv, tf.float32)
-                m = m_new
-            if m is None:  # no key at all (cannot happen with static positions from 0): zeros
-                outs.append(tf.zeros_like(qi))
-                stats.append(tf.zeros(tf.concat([tf.shape(qi)[:3], [1]], 0), tf.float32))
-                continue
-            outs.append(tf.cast(acc / l, q.dtype))
-            stats.append(m + tf.math.log(l))
-        out = tf.concat(outs, axis=2)
-        lse = tf.concat(stats, axis=2)  # [b, h, Lq, 1]
-
-        def grad(d_out):
-            row = tf.reduce_sum(tf.cast(d_out, tf.float32) * tf.cast(out, tf.float32), axis=-1, keepdims=True)
-            d_q = [None] * len(q_blocks)
-            d_k, d_v = [None] * len(k_blocks), [None] * len(k_blocks)
-            add = lambda acc, x: x if acc is None else acc + x
-            for i, (qs, qn) in enumerate(q_blocks):
-                qi, do_i = q[:, :, qs:qs + qn], d_out[:, :, qs:qs + qn]
-                for j in plan.get(i, []):
-                    ks, kn = k_blocks[j]
-                    kj, vj = k[:, :, ks:ks + kn], v[:, :, ks:ks + kn]
-                    p = tf.exp(block_terms(qi, kj, i, j, q_segments, k_segments) - lse[:, :, qs:qs + qn])
-                    keep = keep_mask(seed, tf.shape(p), dropout_rate, (i, j), tf.float32) if dropout_rate else None
-                    pd = p if keep is None else p * keep
-                    d_v[j] = add(d_v[j], tf.matmul(tf.cast(pd, v.dtype), do_i, transpose_a=True))
-                    dp = tf.cast(tf.matmul(do_i, vj, transpose_b=True), tf.float32)
-                    if keep is not None:
-                        dp = dp * keep
-                    ds = tf.cast(p * (dp - row[:, :, qs:qs + qn]), q.dtype) * tf.cast(scale, q.dtype)
-                    d_q[i] = add(d_q[i], tf.matmul(ds, kj))
-                    d_k[j] = add(d_k[j], tf.matmul(ds, qi, transpose_a=True))
-            fill = lambda parts, blocks, like: tf.concat(
-                [x if x is not None else tf.zeros_like(like[:, :, s:s + n]) for x, (s, n) in zip(parts, blocks)], axis=2)
-            return fill(d_q, q_blocks, q), fill(d_k, k_blocks, k), fill(d_v, k_blocks, v)
-
-        return out, grad
-
-    return core(q, k, v)
+    spans = query_groups(lq, block_size)
+    groups = [Group(tf.range(s, s + n) + q_offset, None if q_segments is None else q_segments[:, s:s + n],
+                    s + q_offset, s + n + q_offset) for s, n in spans]
+    split = lambda x: [x[:, :, s:s + n] for s, n in spans]
+    merge = lambda parts: tf.concat(parts, axis=2)
+    if q_segments is None and k_segments is not None or q_segments is not None and k_segments is None:
+        raise ValueError("blockwise attention: give both q_segments and k_segments, or neither")
+    return block_attention(q, k, v, split, merge, groups, k_segments, causal, block_size, dropout_rate, seed,
+                           k_offset)
 
 
 def materialized(q, k, v, q_segments=None, k_segments=None, causal: bool = False, keep=None,
@@ -267,7 +344,7 @@ def dropout_keep(seed, shape, rate: float, block_size: int) -> tf.Tensor:
     (for tests and the materialized path's comparison)."""
     b, h, lq, lk = shape
     rows = []
-    for i, (qs, qn) in enumerate(_blocks(lq, block_size)):
+    for i, (qs, qn) in enumerate(query_groups(lq, block_size)):
         rows.append(tf.concat([keep_mask(seed, [b, h, qn, kn], rate, (i, j), tf.float32)
                                for j, (ks, kn) in enumerate(_blocks(lk, block_size))], axis=-1))
     return tf.concat(rows, axis=2)

@@ -43,7 +43,7 @@ The modules, each usable on its own (this package re-exports their public names)
 
 
 from tfpod.partitioning.activations import activation_sharding, active_context, replicate, shard, split
-from tfpod.partitioning import spatial, stages
+from tfpod.partitioning import context, spatial, stages
 from tfpod.partitioning.build import (build_sharded, compute_layout, gather_when_used, gathered_weights, rows_split,
                                       lazy_model, update_layout, variable_specs)
 from tfpod.partitioning.dropout import microbatch, random_layout, replayable_dropout

@@ -24,7 +24,8 @@ from tensorflow.experimental import dtensor
 from tfpod import UserError
 from tfpod.partitioning.activations import activation_sharding, within
 from tfpod.partitioning.presets import Preset, get_preset
-from tfpod.partitioning.rules import ShardingConfig, check_mesh_axes, layout_for
+from tfpod.partitioning.context import zigzag
+from tfpod.partitioning.rules import CONTEXT_AXIS, ShardingConfig, check_mesh_axes, layout_for
 
 
 def batch_mesh_axis(axes: Sequence[str | None], table: Mapping[str, str | None], mesh) -> str | None:
@@ -226,7 +227,7 @@ class Placement:
             batch_axis = self.batch_axis(axes)
             layout = layout_for((None,) * leading_dims + axes, self.table, self.mesh)
             shards = local_shards(self.mesh, batch_axis)
-            value = tf.convert_to_tensor(value)
+            value = self._context_order(tf.convert_to_tensor(value), layout)
             rows = value.shape[leading_dims]
             if rows % len(shards):
                 raise UserError(f"feature {name!r}: {rows} host rows do not split over {len(shards)} local batch shards")
@@ -244,6 +245,14 @@ class Placement:
                 components.append(_shard_other_dims(pieces[index], layout, loc, leading_dims))
             out[name] = dtensor.pack(components, layout)
         return out
+
+    def _context_order(self, value: tf.Tensor, layout: dtensor.Layout) -> tf.Tensor:
+        """`value` with each dimension split over the `context` axis in its balanced token
+        order (partitioning.context.zigzag)."""
+        for dim, spec in enumerate(layout.sharding_specs):
+            if spec == CONTEXT_AXIS and self.mesh.dim_size(spec) > 1:
+                value = tf.gather(value, zigzag(value.shape[dim], self.mesh.dim_size(spec)), axis=dim)
+        return value
 
     def to_host(self, value: tf.Tensor, feature_axes: Sequence[str | None] = ("batch",)) -> np.ndarray:
         """This host's rows of a DTensor split over the batch only, in the order the host fed them
