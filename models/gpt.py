@@ -29,8 +29,8 @@ from official.nlp.modeling import layers as mg_layers
 
 from tfpod import UserError, attention, check_positive, compat, evaluation, fused
 from tfpod.input import lm_data
-from tfpod.models import lm_serving, plan_profiles
-from tfpod.partitioning import AxisRule, rows_split, shard
+from tfpod.models import lm_head, lm_serving, plan_profiles
+from tfpod.partitioning import AxisRule, context, rows_split, shard
 from tfpod.task import LossTerms, StagedModel, Task
 
 # The residual stream between blocks: its sequence dimension is the logical axis
@@ -158,9 +158,12 @@ class GPT(tf_keras.Model):
         ids = features["inputs"]
         x = self.embed(ids)  # [batch, length, embed]
         in_order = self.position_embedding(x)  # positions 0..length-1 (also builds the table)
-        if "positions" in features:  # per-segment positions, as a one-hot matmul (no gather)
-            table = tf.cast(compat.position_embeddings(self.position_embedding), x.dtype)  # [max_length, embed]
-            x = x + tf.einsum("blp,pe->ble", tf.one_hot(features["positions"], self.config.seq_len, dtype=x.dtype), table)
+        table = lambda: tf.cast(compat.position_embeddings(self.position_embedding), x.dtype)  # [max_length, embed]
+        if context.context_chunks() > 1:  # the sequence split over `context`, in its balanced order: a gather
+            positions = features.get("positions", context.token_positions(ids.shape[1]) * tf.ones_like(ids))
+            x = x + tf.gather(table(), positions)
+        elif "positions" in features:  # per-segment positions, as a one-hot matmul (no gather)
+            x = x + tf.einsum("blp,pe->ble", tf.one_hot(features["positions"], self.config.seq_len, dtype=x.dtype), table())
         else:
             x = x + in_order
         x = self.embedding_dropout(x, training=training)
@@ -203,8 +206,8 @@ class GPT(tf_keras.Model):
     def output_logits(self, x: tf.Tensor) -> tf.Tensor:
         """Float32 logits [batch, length, vocab] of x [batch, length, embed] (the output table's)."""
         table = tf.cast(self.output_table(), x.dtype)  # [vocab, embed]
-        flat = tf.reshape(x, [-1, x.shape[-1]])  # [batch * length, embed]
-        logits = tf.matmul(flat, table, transpose_b=True)  # [batch * length, vocab]
+        flat = context.flat_tokens(x, x.shape[-1])  # [batch * length, embed]
+        logits = context.token_matmul(flat, table, transpose_b=True)  # [batch * length, vocab]
         logits = tf.reshape(logits, leading_dims(x, 2) + [self.config.vocab_size])
         return tf.cast(logits, tf.float32)
 
@@ -253,8 +256,8 @@ class Projection(tf_keras.layers.Layer):
     def call(self, x):
         lead = x.shape[: x.shape.rank - len(self.in_dims)]
         n_in, n_out = _prod(self.in_dims), _prod(self.out_dims)
-        flat = tf.reshape(x, [-1, n_in])  # [tokens, prod(in_dims)]
-        y = tf.matmul(flat, tf.reshape(self.kernel, [n_in, n_out]))
+        flat = context.flat_tokens(x, n_in)  # [tokens, prod(in_dims)]
+        y = context.token_matmul(flat, tf.reshape(self.kernel, [n_in, n_out]))
         if self.use_bias:
             y = tf.nn.bias_add(y, tf.reshape(self.bias, [n_out]))
         return tf.reshape(y, leading_dims(x, len(lead)) + list(self.out_dims))  # [..., *out_dims]
@@ -420,8 +423,8 @@ def loss_terms(model: GPT, batch: dict, training: bool) -> LossTerms:
     """Next-token cross entropy: [the weighted token losses' sum], averaged over `loss_counts`.
 
     When the embedding's vocab rows are whole on every device, the tied output layer and
-    the loss are one function (`output_layer_loss`); when they are split over a mesh axis
-    (vocab-parallel), the logits go through `loss_from_logits`.
+    the loss are one function (`lm_head.output_layer_loss`); when they are split over a mesh axis
+    (vocab-parallel), the logits go through `lm_head.loss_from_logits`.
 
     Returns:
       LossTerms with metrics {"loss_sum", "weight_sum"} (float32 scalars).
@@ -439,9 +442,9 @@ def head_terms(model: GPT, x: tf.Tensor, batch: dict) -> LossTerms:
     """The loss terms of the final hidden states x [batch, length, embed] (the output table's)."""
     table = model.output_table()
     if rows_split(table):
-        sums = loss_from_logits(model.output_logits(x), batch)
+        sums = lm_head.loss_from_logits(model.output_logits(x), batch)
     else:
-        sums = output_layer_loss(x, tf.cast(table, x.dtype), batch)
+        sums = lm_head.output_layer_loss(x, tf.cast(table, x.dtype), batch)
     return LossTerms([sums["loss_sum"]], metrics=sums)
 
 
@@ -460,81 +463,6 @@ def staged(model: GPT) -> StagedModel:
     )
 
 
-def output_layer_loss(x: tf.Tensor, table: tf.Tensor, batch: dict):
-    """Cross entropy of the tied output layer's logits x @ table^T, with its own gradient.
-
-    The same loss as `loss_from_logits(output_logits(x))`, in fewer passes over the
-    [tokens, vocab] logits (gpt_small: 4096 x 50304, 824 MB at float32), which at this
-    size cost more than the output matmuls' arithmetic on a CPU:
-
-      forward   logits (float32), probs = softmax(logits) in one fused kernel; the
-                token loss is log_z - logit[target] with log_z = max(logits) -
-                log(max(probs)) (the largest probability is exp(0) / sum, never
-                underflows), the target logit a gather.
-      backward  d logits = (probs - one_hot(target)) * w, and neither that nor the one-hot
-                is formed: d x = (probs @ table - table[target]) * w and d table =
-                probs^T @ (x * w) - scatter_add(target, x * w), where the one-hot
-                terms are a gather and a scatter of [tokens, embed] rows. Under mixed
-                precision probs enter the matmuls in bfloat16 as logits' gradient would;
-                the target entry's rounding error is added back in the gathered term,
-                so it is exact to float32 (p - 1 for a confident p is not lost).
-
-    Args:
-      x: final hidden states [batch, length, embed] (the compute dtype).
-      table: the tied embedding [vocab, embed], in x's dtype; its vocab rows unsplit.
-      batch: "targets" int32 and "weights" float32 [batch, length].
-
-    Returns:
-      {"loss_sum": the weighted token losses' sum, "weight_sum": the weights' sum}, float32
-      scalars (the Trainer divides one by the other; `loss_counts`).
-    """
-    embed, vocab = x.shape[-1], table.shape[0]
-    flat = tf.reshape(x, [-1, embed])  # [tokens, embed]
-    targets = tf.reshape(batch["targets"], [-1])  # [tokens]
-    weights = tf.reshape(tf.cast(batch["weights"], tf.float32), [-1])  # [tokens]
-    weight_sum = tf.reduce_sum(weights)
-    at_target = lambda t: tf.gather(t, targets[:, None], batch_dims=1)[:, 0]  # [tokens, vocab] -> [tokens]
-
-    @tf.custom_gradient
-    def weighted_sum(flat, table):  # sum over tokens of weight * token loss
-        logits = tf.cast(tf.matmul(flat, table, transpose_b=True), tf.float32)  # [tokens, vocab]
-        probs = tf.nn.softmax(logits)
-        log_z = tf.reduce_max(logits, axis=-1) - tf.math.log(tf.reduce_max(probs, axis=-1))  # [tokens]
-        token_loss = log_z - at_target(logits)
-
-        def grad(d_sum):
-            s = d_sum * weights  # [tokens]: d / d token_loss
-            p = tf.cast(probs, flat.dtype)
-            p_target = at_target(probs)  # float32
-            rounding = p_target - tf.cast(at_target(p), tf.float32)
-            target_coef = tf.cast((rounding - 1.0) * s, flat.dtype)[:, None]  # [tokens, 1]
-            s = tf.cast(s, flat.dtype)[:, None]
-            d_flat = tf.matmul(p, table) * s + tf.gather(table, targets) * target_coef  # [tokens, embed]
-            d_table = tf.matmul(p, flat * s, transpose_a=True) + tf.math.unsorted_segment_sum(
-                flat * target_coef, targets, vocab)  # [vocab, embed]
-            return d_flat, d_table
-
-        return tf.reduce_sum(token_loss * weights), grad
-
-    return {"loss_sum": weighted_sum(flat, table), "weight_sum": weight_sum}
-
-
-def loss_from_logits(logits: tf.Tensor, batch: dict):
-    """Cross entropy of logits [batch, length, vocab] against batch targets and weights.
-
-    Written as logsumexp minus the target logit (picked with a one-hot product), so a
-    vocab-sharded logits tensor reduces with all-reduces (Megatron's vocab-parallel
-    cross entropy) instead of being gathered.
-
-    Returns:
-      {"loss_sum", "weight_sum"} as `output_layer_loss`.
-    """
-    vocab = logits.shape[-1]
-    log_z = tf.reduce_logsumexp(logits, axis=-1)  # [batch, length]
-    target_logit = tf.reduce_sum(logits * tf.one_hot(batch["targets"], vocab, dtype=logits.dtype), axis=-1)
-    token_loss = log_z - target_logit  # [batch, length]
-    weights = batch["weights"]
-    return {"loss_sum": tf.reduce_sum(token_loss * weights), "weight_sum": tf.reduce_sum(weights)}
 
 
 def weight_flops_per_token(config: GPTConfig) -> float:

@@ -34,7 +34,7 @@ from official.nlp.modeling import layers as mg_layers
 from tfpod import UserError, attention, check_positive, fused
 from tfpod.input import lm_data
 from tfpod.models import gpt, lm_serving, plan_profiles
-from tfpod.partitioning import AxisRule, shard
+from tfpod.partitioning import AxisRule, context, shard
 
 NAME = "llama"
 ACTIVATION_AXES = gpt.ACTIVATION_AXES
@@ -268,7 +268,9 @@ class Llama(tf_keras.Model):
             positions = tf.cast(features["positions"], tf.float32)
         else:  # 0 .. length - 1 (the length static where known, as DTensor needs; a served row's may vary)
             length = gpt.leading_dims(features["inputs"], 2)[1]
-            positions = tf.cast(tf.range(length), tf.float32)[None, :] * tf.ones_like(features["inputs"], tf.float32)
+            # (under context parallelism the tokens come in its balanced order: partitioning.context)
+            in_order = context.token_positions(length) if isinstance(length, int) else tf.range(length)
+            positions = tf.cast(in_order, tf.float32)[None, :] * tf.ones_like(features["inputs"], tf.float32)
         theta = positions[:, :, None, None] * self.inverse_frequencies  # [batch, length, 1, d / 2]
         return tf.cos(theta), tf.sin(theta)
 

@@ -5,7 +5,7 @@ import pytest
 import tensorflow as tf
 
 from tfpod import fused, optimizers
-from tfpod.models import gpt
+from tfpod.models import gpt, lm_head
 
 pytestmark = pytest.mark.unit  # no subprocess, no multi-device training
 
@@ -177,7 +177,7 @@ def test_depthwise_conv_gradients_equal_tensorflows(kernel, strides, padding, di
 
 @pytest.mark.parametrize("dtype", [tf.float32, tf.bfloat16])
 def test_output_layer_loss_equals_the_logits_loss_with_its_gradient(dtype):
-    """gpt.output_layer_loss (softmax once, one-hot terms as gathers) and the model's other
+    """lm_head.output_layer_loss (softmax once, one-hot terms as gathers) and the model's other
     path, loss_from_logits(GPT.output_logits(x)) by autodiff, each against float64:
     loss, loss_sum, weight_sum and the gradients of x and the table.
 
@@ -208,11 +208,11 @@ def test_output_layer_loss_equals_the_logits_loss_with_its_gradient(dtype):
     logits_of = lambda x, table: tf.matmul(tf.reshape(x, [-1, e]), table, transpose_b=True)  # as GPT.output_logits
 
     def fused_form(x, table):
-        return gpt.output_layer_loss(tf.cast(x, dtype), tf.cast(table, dtype), batch)
+        return lm_head.output_layer_loss(tf.cast(x, dtype), tf.cast(table, dtype), batch)
 
     def logits_form(x, table):
         logits = tf.reshape(logits_of(tf.cast(x, dtype), tf.cast(table, dtype)), [b, l, vocab])
-        return gpt.loss_from_logits(tf.cast(logits, tf.float32), batch)
+        return lm_head.loss_from_logits(tf.cast(logits, tf.float32), batch)
 
     as64 = lambda t: tf.cast(t, tf.float64).numpy()
     x_in, table_in = as64(tf.cast(x, dtype)).reshape(-1, e), as64(tf.cast(table, dtype))  # the rounded inputs

@@ -45,6 +45,8 @@ import dataclasses
 import tensorflow as tf
 
 from tfpod import UserError, fused
+from tfpod.partitioning import context as partitioning_context
+from tfpod.partitioning.activations import shard
 
 NEG = -1e9  # the additive mask where a query may not attend (as the materialized path's)
 IMPLEMENTATIONS = ("blockwise", "materialized")
@@ -103,6 +105,12 @@ def attend(q, k, v, mask, causal: bool, dropout=None, training=None) -> tf.Tenso
     probabilities are materialized (and dropped by the layer)."""
     dropping = dropout is not None and dropout.rate and training is not None and training is not False
     length = q.shape[2]
+    chunks = partitioning_context.context_chunks()
+    if chunks > 1:
+        if mask.shape.rank != 2 or dropping:
+            raise UserError("a `context` mesh axis needs attention.implementation='blockwise' and no attention "
+                            "dropout (set the model's attention_dropout=0.0), or a mesh without `context`")
+        return context_attention(q, k, v, mask, causal, chunks, current().block_size)
     if mask.shape.rank == 2 and not dropping and length is not None:  # (serving traces unknown lengths)
         size = current().block_size
         if causal and length and length % 2 == 0:
@@ -214,7 +222,8 @@ def block_attention(q, k, v, split, merge, groups, k_segments, causal: bool, blo
         ins, out = equation_4d.split("->")
         x, y = ins.split(",")
         widen = lambda t, r: t if r == 4 else t[:2] + "c" + t[2:]
-        return tf.einsum(f"{widen(x, a.shape.rank)},{widen(y, b.shape.rank)}->{widen(out, 5)}", a, b)
+        out_rank = 5 if "q" in out else 4  # (a key block's gradient sums over the chunks)
+        return tf.einsum(f"{widen(x, a.shape.rank)},{widen(y, b.shape.rank)}->{widen(out, out_rank)}", a, b)
 
     def scores(qg, g: Group, j: int, masked: bool):
         ks, kn = k_blocks[j]
@@ -324,6 +333,40 @@ def blockwise(q, k, v, q_segments=None, k_segments=None, causal: bool = False, b
         raise ValueError("blockwise attention: give both q_segments and k_segments, or neither")
     return block_attention(q, k, v, split, merge, groups, k_segments, causal, block_size, dropout_rate, seed,
                            k_offset)
+
+
+def context_attention(q, k, v, segments, causal: bool, chunks: int, block_size: int) -> tf.Tensor:
+    """Self-attention with the sequence split over the `context` mesh axis (`chunks` devices).
+
+    q, k, v [batch, heads, L, d] and segments [batch, L] come in the balanced token order
+    (tfpod.partitioning.context: device c holds chunks c and 2C-1-c of 2C), split over
+    `context`. Keys and values (and their segment ids) are gathered whole on every device
+    (the all-gather form of Llama 3's training; the gradient's relayout sums them back into
+    the shards) and put back in sequence order; each device's queries go as two groups, its
+    two chunks: the first lies in the sequence's first half, so under a causal mask it skips
+    the second half's key blocks (every device then does the same 3/4 of the local
+    queries x all keys work). The causal mask compares true token positions.
+    """
+    b, h, length, d = q.shape
+    n = length // (2 * chunks)
+    halves = lambda x, lead: tf.reshape(x, lead + [chunks, 2, n] + x.shape.as_list()[len(lead) + 1:])
+    index = halves(shard(tf.constant(partitioning_context.zigzag(length, chunks), tf.int32), ("length",)), [])
+    q_segments = halves(segments, [b])  # [batch, C, 2, n]
+    groups = [Group(index[:, 0], q_segments[:, :, 0], 0, length // 2),  # chunk c < C
+              Group(index[:, 1], q_segments[:, :, 1], length // 2, length)]  # chunk 2C-1-c >= C
+    split = lambda x: [halves(x, [b, h])[:, :, :, i] for i in (0, 1)]  # [batch, heads, C, n, d] each
+    merge = lambda parts: tf.reshape(tf.stack(parts, axis=3), [b, h, length, d])
+
+    def in_order(x, lead):  # gathered over `context`, from the balanced order back to 0..L-1
+        x = halves(shard(x, lead + (None,) + (("kv",) if x.shape.rank == 4 else ())), [b, h][:len(lead)])
+        axis = len(lead)
+        first, second = (tf.gather(x, i, axis=axis + 1) for i in (0, 1))  # chunks 0..C-1; 2C-1..C
+        second = tf.gather(second, list(range(chunks - 1, -1, -1)), axis=axis)  # (DTensor has no ReverseV2)
+        return tf.reshape(tf.concat([first, second], axis), x.shape.as_list()[:axis] + [length]
+                          + x.shape.as_list()[axis + 3:])
+
+    k, v = in_order(k, ("batch", "heads")), in_order(v, ("batch", "heads"))
+    return block_attention(q, k, v, split, merge, groups, in_order(segments, ("batch",)), causal, block_size)
 
 
 def materialized(q, k, v, q_segments=None, k_segments=None, causal: bool = False, keep=None,

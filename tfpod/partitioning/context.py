@@ -50,3 +50,29 @@ def token_positions(length: int) -> tf.Tensor:
     """[length] int32: each token's position in the step being traced (0..length-1, or the
     zigzag order under context parallelism)."""
     return tf.constant(zigzag(length, context_chunks()), tf.int32)
+
+
+def flat_tokens(x: tf.Tensor, features: int) -> tf.Tensor:
+    """x [batch, length, ...] as the [tokens, features] rows a 2-D matmul takes (oneDNN runs
+    its gradients fastest), or [batch, length, features] when the sequence is split over a
+    `context` mesh axis: one dimension cannot be split over the batch's mesh axis and the
+    sequence's, so DTensor would gather the sequence to flatten it."""
+    if context_chunks() > 1 and x.shape.rank >= 3:
+        return tf.reshape(x, x.shape.as_list()[:2] + [features])
+    return tf.reshape(x, [-1, features])
+
+
+def token_matmul(x: tf.Tensor, w: tf.Tensor, transpose_b: bool = False) -> tf.Tensor:
+    """x [..., i] @ w [i, o] (w [o, i] with transpose_b) for `flat_tokens`' rows."""
+    if x.shape.rank == 2:
+        return tf.matmul(x, w, transpose_b=transpose_b)
+    lead = "abcdefg"[:x.shape.rank - 1]
+    return tf.einsum(f"{lead}i,{'oi' if transpose_b else 'io'}->{lead}o", x, w)
+
+
+def token_outer(a: tf.Tensor, b: tf.Tensor) -> tf.Tensor:
+    """sum over tokens of a [..., i]^T b [..., o]: [i, o] (a weight's gradient)."""
+    if a.shape.rank == 2:
+        return tf.matmul(a, b, transpose_a=True)
+    lead = "abcdefg"[:a.shape.rank - 1]
+    return tf.einsum(f"{lead}i,{lead}o->io", a, b)
