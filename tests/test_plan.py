@@ -386,3 +386,39 @@ def test_context_is_refused_where_the_attention_or_the_length_cannot_split():
         Planner(configs("bert", bert_tiny()), devices.get("h100"), 8).plan(Choice("data:4,context:2", "data"))
     with pytest.raises(UserError, match="into 16 equal chunks"):  # 4,100 tokens: the causal balance's 2C chunks
         Planner(configs("gpt", long_gpt(4100)), devices.get("h100"), 8).plan(Choice("data:1,context:8", "data"))
+
+
+@pytest.mark.unit
+def test_mesh_auto_takes_context_only_where_nothing_fits_without_it():
+    """GPT at 4,096 tokens with one head, batch 4, on 4 devices: without context a device holds at least one
+    whole sequence (`model` cannot split one head; one example per `data` shard), with `data:1,context:4` and
+    4 microbatches a quarter of one. On a device between the two smallest totals the search takes a `context`
+    mesh (the fastest that fits); on an H100 the run fits without one and gets none."""
+    import dataclasses
+
+    from tfpod.plan.planner import MEMORY_MARGIN
+    from tfpod.plan.search import candidates, context_sizes, search
+
+    c = configs("gpt", long_gpt(heads=1), global_batch=4)
+    h100 = devices.get("h100")
+    planner = Planner(c, h100, 4)
+    assert context_sizes(planner) == [2, 4]  # 4,096 / 2 and / 4 are whole blocks of 512
+
+    def smallest(context):
+        totals = []
+        for choice in candidates(planner, context=context):
+            for m in (None, 2, 4):
+                try:
+                    totals.append(planner.plan(dataclasses.replace(choice, microbatches=m))["per_device_bytes"]["total"])
+                except UserError:  # the batch shards do not split into m
+                    pass
+        return min(totals)
+
+    without, within = smallest(False), smallest(True)
+    assert within < without / 1.5
+    small = dataclasses.replace(h100, name="small", memory_bytes=(within + without) / 2 / (1 - MEMORY_MARGIN))
+    best, top = search(Planner(c, small, 4))
+    assert best is not None and best["fits"] and best["context"] > 1 and f"context:{best['context']}" in best["mesh"]
+    assert not any(p["fits"] for p in top if p["context"] == 1)
+    best, _ = search(planner)
+    assert best["context"] == 1 and "context" not in best["mesh"]
