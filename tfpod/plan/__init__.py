@@ -6,6 +6,7 @@
 writes `model_dir/plan.json` and prints a summary; `--mesh=auto` plans every layout and
 reports the fastest that fits, and training with `--mesh=auto` (or
 `sharding.preset='auto'`) trains with it. See docs/planner.md for how to read a plan.
+A bench asks for one run's prediction with `predict(configs, mesh)`.
 
   devices   the device table (h100, h200, a100-40g, a100-80g, tpu-v4, tpu-v5p; cpu measured)
   profile   what a task's step keeps and moves per example, in logical axes (Task.plan_profile)
