@@ -19,14 +19,19 @@ from tfpod.plan.profile import Collective, Profile, Tensor
 STREAM = ("sequence", "embed")  # a Transformer's residual stream per example
 
 
-def gpt(config, outputs=(), flops=None, mlp_share: float = 1.0, extra_saved=(), extra_collectives=()) -> Profile:
+def gpt(config, outputs=(), flops=None, mlp_share: float = 1.0, extra_saved=(), extra_collectives=(),
+        kv_heads: int | None = None) -> Profile:
     """The causal LM: its blocks, and the embedding, final norm and loss outside them
-    (`flops`: the task's flops_per_token; `mlp_share`, `extra_*`: MoE's blocks)."""
+    (`flops`: the task's flops_per_token; `mlp_share`, `extra_*`: MoE's blocks; `kv_heads`:
+    grouped-query attention's). Its sequence splits over a `context` mesh axis (keys and
+    values gathered), the local sequence a whole number of attention blocks."""
     del outputs
     s, e = config.seq_len, config.embed_dim
+    att = attention.current()
+    blockwise = att.implementation == "blockwise" and not config.attention_dropout
     saved, collectives = profile.transformer_block(s, e, config.num_heads, config.mlp_dim, config.dropout,
                                                    config.attention_dropout, mlp_share=mlp_share,
-                                                   blockwise=attention.current().implementation == "blockwise")
+                                                   blockwise=blockwise, kv_heads=kv_heads)
     total = flops(config)
     return Profile(
         blocks=config.num_layers, block_saved=saved + list(extra_saved), block_input=Tensor(STREAM, (s, e)),
@@ -34,14 +39,17 @@ def gpt(config, outputs=(), flops=None, mlp_share: float = 1.0, extra_saved=(), 
         block_flops_fraction=1 - 6.0 * config.vocab_size * e / total,
         outside_saved=profile.lm_outside(s, e, config.vocab_size, one_hot_lookup=True),
         # the vocab-parallel lookup's and logits' sums over the vocabulary shards
-        outside_collectives=[Collective(Tensor(STREAM, (s, e)), "vocab")], tokens_per_example=s)
+        outside_collectives=[Collective(Tensor(STREAM, (s, e)), "vocab")], tokens_per_example=s,
+        block_temporary=[profile.blockwise_scores(s, config.num_heads, att.block_size)] if blockwise else [],
+        causal_attention_share=12.0 * config.num_layers * s * e / total, context_length=s,
+        context_block=min(att.block_size, s) if blockwise else 1)
 
 
 def llama(config, outputs=(), flops=None) -> Profile:
     """The Llama family: gpt's, with SwiGLU's third [length, mlp] tensor (gate, up and their
     product are kept). Grouped-query attention keeps its keys and values repeated to every
-    query head, as gpt's are."""
-    base = gpt(config, outputs, flops)
+    query head, as gpt's are; under context parallelism it gathers its `kv_heads` alone."""
+    base = gpt(config, outputs, flops, kv_heads=config.num_kv_heads)
     mlp = Tensor(("length", "mlp"), (config.seq_len, config.mlp_dim), 1)
     return dataclasses.replace(base, block_saved=base.block_saved + [mlp])
 
@@ -56,8 +64,10 @@ def moe(config, outputs=(), flops=None) -> Profile:
     saved = [Tensor(dispatched.axes, dispatched.shape, 2 * share),  # dispatched tokens, expert outputs
              Tensor(("expert", None, None, "mlp"), (experts, groups, cap, config.expert_mlp_dim), 2 * share),
              Tensor(("expert", None, None, None), (groups, config.group_size, experts, cap), 2 * share)]
-    return gpt(config, outputs, flops, mlp_share=1 - share, extra_saved=saved,
-               extra_collectives=[Collective(dispatched, "expert", "all_to_all", 2 * share)])
+    # Not planned over a `context` axis: the routing groups (a logical axis of their own) would not split with it.
+    return dataclasses.replace(gpt(config, outputs, flops, mlp_share=1 - share, extra_saved=saved,
+                                   extra_collectives=[Collective(dispatched, "expert", "all_to_all", 2 * share)]),
+                               context_length=0)
 
 
 def bert(config, outputs=(), flops=None) -> Profile:

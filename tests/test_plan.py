@@ -314,3 +314,111 @@ def test_a_cpu_figure_is_measured_once_per_machine_and_kept(tmp_path, monkeypatc
     monkeypatch.setenv("TFPOD_CACHE_DIR", str(tmp_path / "file" / "cache"))  # under a file: cannot be made
     assert measured.figure("matmul test", measure) == 7.5e10 and len(calls) == 6
     assert "cannot keep them in" in caplog.text
+
+
+def long_gpt(seq_len=4096, heads=8):
+    return TASKS["gpt"].config_class(vocab_size=256, seq_len=seq_len, num_layers=2, embed_dim=128, num_heads=heads,
+                                     mlp_dim=512)
+
+
+@pytest.mark.unit
+def test_context_divides_activations_like_data_and_adds_the_gathered_keys_and_values():
+    """GPT at 4,096 tokens, blockwise, fp32, batch 8 on 8 devices (tfpod.plan.predict, the bench's entry point):
+    `data:4,context:2` holds 2 examples of half the sequence where `data:8` holds 1 whole, so every activation is
+    the same bytes, plus the whole length's keys and values each layer keeps (exactly 2 layers x 2 examples x
+    2 x 4,096 x 128 x 4 bytes); the K/V all-gather and reduce-scatter over `context` (each (C-1)/C of the gathered
+    bytes, per layer, forward and backward), the gradients all-reduced over `context` too, and the causal attention
+    at 3/4 of the whole matrix instead of all of it."""
+    from tfpod.plan.timing import CONTEXT_ATTENTION_WORK
+
+    c = configs("gpt", long_gpt(), global_batch=8)
+    data, ctx = (plan.predict(c, mesh, device="h100") for mesh in ("data:8", "data:4,context:2"))
+    d, x = data["plan"]["breakdown"], ctx["plan"]["breakdown"]
+    gathered = 2 * 2 * 2 * 4096 * 128 * 4
+    assert x["memory"]["blocks"] - d["memory"]["blocks"] == gathered
+    assert x["memory"]["outside_blocks"] == d["memory"]["outside_blocks"]
+    assert x["memory"]["attention_scores"] == d["memory"]["attention_scores"] == 8 * 4096 * 512 * 4  # one key block
+    assert ctx["activation_bytes"] - data["activation_bytes"] == gathered
+    assert ctx["plan"]["context"] == 2 and data["plan"]["context"] == 1
+    # the collectives: per layer, the whole length's K and V of the device's 2 examples
+    bw = x["bandwidths"]["context"]
+    kv_seconds = 2 * timing.collective_seconds("all_gather", 2 * 2 * 4096 * 128 * 4, 2, bw)  # 2 layers
+    assert x["time"]["collectives"]["all_gather over 'context' (activations)"] == pytest.approx(kv_seconds, rel=1e-12)
+    assert x["time"]["collectives"]["reduce_scatter over 'context' (activations)"] == pytest.approx(kv_seconds,
+                                                                                                      rel=1e-12)
+    assert "all_reduce over 'context' (gradients)" in x["time"]["collectives"]
+    assert not any("context" in name for name in d["time"]["collectives"])
+    sync = {(s["axis"], s["kind"]): s["bytes"] for s in x["gradient_sync"]}
+    assert sync[("context", "all_reduce")] == sync[("data", "all_reduce")] == ctx["plan"]["per_device_bytes"]["weights"]
+    # attention FLOPs: 12 x layers x length x embed per token, at 3/4 under context
+    share = 12 * 2 * 4096 * 128 / TASKS["gpt"].flops_per_token(c.model)
+    assert x["time"]["flops_per_device"] == pytest.approx(
+        d["time"]["flops_per_device"] * (1 - (1 - CONTEXT_ATTENTION_WORK) * share), rel=1e-12)
+
+
+@pytest.mark.unit
+def test_context_gathers_grouped_query_attentions_own_key_value_heads():
+    """Llama with 8 query heads and 2 key/value heads, batch 16 on `data:2,context:2,model:2` (tensor): the
+    table the planner lays the activations out with (the trainer's, ShardingConfig.table on the mesh's axes) puts
+    `length` and `sequence` on `context`; each layer keeps the gathered keys and values of its 8 examples as the
+    2 kv heads split over `model` (2 x 8 x 2,048 x 1 x 16 x 4 bytes), not the 8 heads they are repeated to."""
+    from tfpod.partitioning import Placement
+    from tfpod.plan.memory import tensor_bytes
+
+    llama = TASKS["llama"].config_class(vocab_size=256, seq_len=2048, num_layers=2, embed_dim=128, num_heads=8,
+                                        num_kv_heads=2, mlp_dim=256)
+    c = configs("llama", llama, preset="tensor")
+    planner = Planner(c, devices.get("h100"), 8)
+    p = planner.plan(Choice("data:2,context:2,model:2"))
+    placement = Placement.from_config(c.sharding, c.task.default_preset, planner._meshes("data:2,context:2,model:2")[3])
+    table, mesh = placement.table, placement.mesh
+    assert table["length"] == table["sequence"] == "context" and table["kv_heads"] == "model"
+    gathered = [t for t in planner.profile.block_saved if t.when_split == "length"]
+    assert [t.axes for t in gathered] == [(None, "kv_heads", "kv")]
+    assert tensor_bytes(gathered[0], 16, table, mesh, "float32") == 2 * 8 * 2048 * 1 * 16 * 4
+    assert p["breakdown"]["memory"]["blocks"] == 2 * sum(tensor_bytes(t, 16, table, mesh, "float32")
+                                                         for t in planner.profile.block_saved)
+
+
+@pytest.mark.unit
+def test_context_is_refused_where_the_attention_or_the_length_cannot_split():
+    with pytest.raises(UserError, match="does not support"):
+        Planner(configs("bert", bert_tiny()), devices.get("h100"), 8).plan(Choice("data:4,context:2", "data"))
+    with pytest.raises(UserError, match="into 16 equal chunks"):  # 4,100 tokens: the causal balance's 2C chunks
+        Planner(configs("gpt", long_gpt(4100)), devices.get("h100"), 8).plan(Choice("data:1,context:8", "data"))
+
+
+@pytest.mark.unit
+def test_mesh_auto_takes_context_only_where_nothing_fits_without_it():
+    """GPT at 4,096 tokens with one head, batch 4, on 4 devices: without context a device holds at least one
+    whole sequence (`model` cannot split one head; one example per `data` shard), with `data:1,context:4` and
+    4 microbatches a quarter of one. On a device between the two smallest totals the search takes a `context`
+    mesh (the fastest that fits); on an H100 the run fits without one and gets none."""
+    import dataclasses
+
+    from tfpod.plan.planner import MEMORY_MARGIN
+    from tfpod.plan.search import candidates, context_sizes, search
+
+    c = configs("gpt", long_gpt(heads=1), global_batch=4)
+    h100 = devices.get("h100")
+    planner = Planner(c, h100, 4)
+    assert context_sizes(planner) == [2, 4]  # 4,096 / 2 and / 4 are whole blocks of 512
+
+    def smallest(context):
+        totals = []
+        for choice in candidates(planner, context=context):
+            for m in (None, 2, 4):
+                try:
+                    totals.append(planner.plan(dataclasses.replace(choice, microbatches=m))["per_device_bytes"]["total"])
+                except UserError:  # the batch shards do not split into m
+                    pass
+        return min(totals)
+
+    without, within = smallest(False), smallest(True)
+    assert within < without / 1.5
+    small = dataclasses.replace(h100, name="small", memory_bytes=(within + without) / 2 / (1 - MEMORY_MARGIN))
+    best, top = search(Planner(c, small, 4))
+    assert best is not None and best["fits"] and best["context"] > 1 and f"context:{best['context']}" in best["mesh"]
+    assert not any(p["fits"] for p in top if p["context"] == 1)
+    best, _ = search(planner)
+    assert best["context"] == 1 and "context" not in best["mesh"]

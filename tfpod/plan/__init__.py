@@ -6,6 +6,7 @@
 writes `model_dir/plan.json` and prints a summary; `--mesh=auto` plans every layout and
 reports the fastest that fits, and training with `--mesh=auto` (or
 `sharding.preset='auto'`) trains with it. See docs/planner.md for how to read a plan.
+A bench asks for one run's prediction with `predict(configs, mesh)`.
 
   devices   the device table (h100, h200, a100-40g, a100-80g, tpu-v4, tpu-v5p; cpu measured)
   profile   what a task's step keeps and moves per example, in logical axes (Task.plan_profile)
@@ -91,6 +92,36 @@ def plan_mode(configs, model_dir: str, mesh_spec: str, device_name: str | None, 
     return plan
 
 
+def predict(configs, mesh: str, device: str = "cpu", num_devices: int = 8,
+            devices_per_host: int | None = None) -> dict:
+    """The planner's prediction of one run on one mesh, for a bench to set beside what it
+    measures (nothing is allocated; no device is created).
+
+        configs = api.load_configs(["gin/lm_tiny.gin"], ["gpt.seq_len=4096"], model_dir)
+        plan.predict(configs, "context:2,data:4")["activation_bytes"]
+
+    Args:
+      configs: the run's RunConfigs (tfpod.api.load_configs).
+      mesh: the mesh spec, as --mesh takes it.
+      device: a device name of tfpod.plan.devices ("cpu": this machine, measured, split
+        into `num_devices` logical devices).
+      num_devices: devices of the job.
+      devices_per_host: devices per host (None: the device's usual; cpu: num_devices).
+
+    Returns:
+      {"activation_bytes", "temporary_bytes", "total_bytes" (per device), "step_time_s",
+      "tokens_per_sec", "fits", "collectives" ({name: seconds per step}), "plan" (the whole
+      plan, plan.json's fields)}.
+    """
+    if device.lower() == "cpu" and not devices_per_host:
+        devices_per_host = num_devices
+    p = Planner(configs, devices.get(device, devices_per_host), num_devices).plan(Choice(mesh))
+    b = p["per_device_bytes"]
+    return {"activation_bytes": b["activations"], "temporary_bytes": b["temporary"], "total_bytes": b["total"],
+            "step_time_s": p["step_time_s"], "tokens_per_sec": p["tokens_per_sec"], "fits": p["fits"],
+            "collectives": dict(p["breakdown"]["time"]["collectives"]), "plan": p}
+
+
 def predict_checkpoint_bytes(configs) -> tuple[int, int]:
     """(bytes of one checkpoint, parameters) of a run, from the planner's lazy build (nothing
     is allocated; memory.checkpoint_bytes)."""
@@ -157,5 +188,5 @@ def choose_for_run(configs, mesh_spec: str, info, model_dir: str) -> str:
     return choice.mesh
 
 
-__all__ = ["Choice", "Planner", "choose_for_run", "devices", "plan_mode", "predict_checkpoint_bytes", "read_plan",
-           "running_device", "search", "summary"]
+__all__ = ["Choice", "Planner", "choose_for_run", "devices", "plan_mode", "predict", "predict_checkpoint_bytes",
+           "read_plan", "running_device", "search", "summary"]

@@ -88,7 +88,7 @@ def tensor_bytes(t: Tensor, rows: int, table: Mapping, mesh: dtensor.Mesh, preci
     """Bytes one device holds of `rows` examples of t (the batch split like the batch)."""
     if t.when_split and not (table.get(t.when_split) in mesh.dim_names and mesh.dim_size(table[t.when_split]) > 1):
         return 0.0
-    layout = layout_for(("batch",) + tuple(t.axes), table, mesh)
+    layout = layout_for(("batch",) + tuple(t.axes), table, mesh, (rows,) + tuple(t.shape))
     local = [math.ceil(d / (1 if spec == dtensor.UNSHARDED else mesh.dim_size(spec)))
              for d, spec in zip((rows,) + tuple(t.shape), layout.sharding_specs)]
     return t.count * math.prod(local) * element_bytes(t.dtype, precision)
@@ -134,15 +134,17 @@ def activation_bytes(profile: Profile, global_batch: int, table: Mapping, mesh: 
     recompute = one_block if remat else 0.0
     largest_outside = max((tensor_bytes(t, rows, table, mesh, precision) / max(t.count, 1)
                            for t in profile.outside_saved), default=0.0)
-    # While a block's backward runs, its activations' gradients are alive beside them,
-    # and the loss's gradient beside the head's outputs.
-    working = max(one_block, largest_outside)
+    # While a block's backward runs, its activations' gradients are alive beside them (and
+    # its attention's scores of one key block, blockwise), and the loss's gradient beside
+    # the head's outputs.
+    scores = size(profile.block_temporary)
+    working = max(one_block + scores, largest_outside)
     accumulated = gradients if microbatches > 1 else 0
     # `2d`'s gathered weights are kept for the backward pass in the compute dtype: every
     # block's, or with recomputation only the block being recomputed.
     gathered = gathered * element_bytes("compute", precision) / 4 / (profile.blocks if remat and profile.blocks else 1)
     breakdown = {"blocks": blocks, "outside_blocks": outside, "recomputed_block": recompute,
-                 "backward_working_set": working, "gathered_weights": gathered,
+                 "backward_working_set": working, "attention_scores": scores, "gathered_weights": gathered,
                  "gradient_accumulators": accumulated, "microbatches_alive": alive,
                  "blocks_per_device": blocks_here, "block_bytes": one_block, "microbatch_rows": rows}
     return ActivationBytes(blocks + outside + recompute, working + gathered + accumulated, breakdown)

@@ -21,7 +21,7 @@ import logging
 import math
 from typing import Mapping
 
-from tfpod import UserError
+from tfpod import UserError, attention
 from tfpod.plan import lazy, memory, timing
 from tfpod.partitioning.report import human_bytes
 from tfpod.plan.devices import DeviceSpec
@@ -29,6 +29,7 @@ from tfpod.plan.devices import DeviceSpec
 log = logging.getLogger("tfpod")
 
 MEMORY_MARGIN = 0.10  # a plan fits when its total leaves this fraction of the device's memory free
+BUILD_BLOCK_SIZE = 2**30  # blockwise attention's block in the planner's build (the variables do not depend on it)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,9 +79,16 @@ class Planner:
         self.num_hosts = num_devices // self.devices_per_host
         task, model_config = configs.task, configs.model
         log.info("plan: building %s with lazily initialized variables (nothing is allocated) ...", task.name)
-        with precision_policy(configs.train.precision), lazy.recorded_build() as outputs:
-            self.model, self.specs = partitioning.lazy_model(lambda: task.build(model_config),
-                                                             task.input_signature(model_config))
+        kernel = attention.current()
+        # The build traces shapes only: one block pair per attention is enough, where the run's block size
+        # would unroll (length / block)^2 / 2 of them (minutes of graph building at 131,072 tokens).
+        attention.use(dataclasses.replace(kernel, block_size=BUILD_BLOCK_SIZE))
+        try:
+            with precision_policy(configs.train.precision), lazy.recorded_build() as outputs:
+                self.model, self.specs = partitioning.lazy_model(lambda: task.build(model_config),
+                                                                 task.input_signature(model_config))
+        finally:
+            attention.use(kernel)
         self.profile = task.plan_profile(model_config, outputs)
         if self.profile is None:
             raise UserError(f"model {task.name!r} has no plan profile (Task.plan_profile): the planner cannot "
@@ -103,6 +111,29 @@ class Planner:
         device_type = "CPU" if self.device.name == "cpu" else ("TPU" if self.device.name.startswith("tpu") else "GPU")
         meshes = stages.stage_meshes(rest, num_stages, device_type, self.num_hosts, 0, self.devices_per_host)
         return axes, num_stages, rest, meshes
+
+    def _check_context(self, table, mesh) -> int:
+        """The size of the mesh axis the activations' `length` is split over (1: none).
+
+        Raises:
+          UserError: the task's attention cannot be split so (Profile.context_length 0), or
+            the axis does not split the sequence into two equal chunks per device (the
+            load-balanced causal split's 2 x context chunks).
+        """
+        axis = table.get("length")
+        n = mesh.dim_size(axis) if axis in mesh.dim_names else 1
+        if n <= 1:
+            return 1
+        length = self.profile.context_length
+        if not length:
+            raise UserError(f"mesh axis {axis!r} (size {n}) splits the sequence (context parallelism), which model "
+                            f"{self.c.task.name!r} does not support: its attention cannot gather keys and values over "
+                            f"it; leave {axis!r} out of --mesh")
+        if length % (2 * n):
+            raise UserError(f"mesh axis {axis!r} of size {n} does not split the sequence of {length} tokens into "
+                            f"{2 * n} equal chunks (context parallelism's causal balance): use a size whose double "
+                            f"divides {length}")
+        return n
 
     def configs_for(self, choice: Choice):
         """(model, train, sharding) configs with the choice applied (each validated as gin would)."""
@@ -145,6 +176,7 @@ class Planner:
             stage_of = {var_name(compat.inner_variable(v)): owner.get(id(compat.inner_variable(v)), 0)
                         for v in self.model.variables}
         batch_axis = placement.batch_axis(tuple(next(iter(task.batch_axes().values()))))
+        context = self._check_context(table, mesh)
         shards = mesh.dim_size(batch_axis) if batch_axis else 1
         global_batch = train.global_batch_size
         if global_batch % shards:
@@ -152,8 +184,10 @@ class Planner:
                             f"of size {shards}: use a multiple of {shards}")
         if train.microbatches > 1:
             check_microbatches(global_batch, shards, train.microbatches)
+        # the weights' gradients are summed over every axis that splits the tokens: the batch's, and the sequence's
+        token_axes = [a for a in (batch_axis, table.get("length") if context > 1 else None) if a]
         state = memory.state_bytes(self.specs, layouts, stage_of, num_stages, c.optimizer, placement.update_axis,
-                                   placement.gather_axis, [batch_axis] if batch_axis else [])
+                                   placement.gather_axis, token_axes)
         remat = bool(model_config.remat) if task.recomputes else False
         acts = memory.activation_bytes(self.profile, global_batch, table, mesh, train.precision, remat, num_stages,
                                        train.microbatches, sharding.pipeline_schedule, state.gradients, state.gathered)
@@ -173,7 +207,7 @@ class Planner:
         tokens = global_batch * self.tokens_per_example
         fits = per_device["total"] <= device.memory_bytes * (1 - MEMORY_MARGIN)
         return {
-            "model": task.name, "mesh": ",".join(f"{n}:{s}" for n, s in axes), "preset": preset,
+            "model": task.name, "mesh": ",".join(f"{n}:{s}" for n, s in axes), "preset": preset, "context": context,
             "sequence_parallel": bool(sharding.sequence_parallel), "remat": remat,
             "microbatches": train.microbatches, "stages": num_stages,
             "pipeline_schedule": sharding.pipeline_schedule if num_stages > 1 else None,

@@ -9,7 +9,9 @@ parallelism a `sequence` one is, and `batch` always follows the batch's mesh axe
                 ("compute": the precision's compute dtype, or "float32")
   Collective    a tensor a block moves between devices when a logical axis is split:
                 `all_reduce` (a contraction over a split axis: Megatron's row-parallel
-                output) or `all_to_all` (MoE's dispatch and combine over `expert`)
+                output), `all_to_all` (MoE's dispatch and combine over `expert`), or
+                `all_gather` forward and `reduce_scatter` backward (context parallelism's
+                keys and values over the mesh axis of `length`)
   Profile       the repeated blocks (what one keeps; its input, all that recomputation
                 keeps; its collectives; its share of the model FLOPs) and what the step
                 keeps outside them (embeddings, heads, the loss)
@@ -49,14 +51,17 @@ class Collective:
     Attributes:
       tensor: the tensor per example (its axes lay it out).
       over: the logical axis whose mesh axis the devices exchange over.
-      kind: "all_reduce" or "all_to_all".
+      kind: "all_reduce", "all_to_all" or "all_gather" (the forward pass's).
       count: how many per forward pass (the backward pass moves as many).
+      backward: the kind the backward pass moves (None: `kind`; an all-gather's gradient
+        is a reduce-scatter).
     """
 
     tensor: Tensor
     over: str
     kind: str = "all_reduce"
     count: float = 1.0
+    backward: str | None = None
 
 
 @dataclasses.dataclass
@@ -74,6 +79,15 @@ class Profile:
       tokens_per_example: tokens an example holds (1 for an image).
       ops_per_block, ops_outside: TensorFlow ops a forward pass runs (the backward
         runs about twice as many), for the per-op overhead.
+      block_temporary: what one block's attention holds only while it runs (blockwise
+        attention: one key block's scores), beside the backward's working set.
+      causal_attention_share: the share of the model FLOPs that is causal self-attention's
+        score and value matmuls, counted as the whole length x length matrix (PaLM's
+        12 x layers x length x embed per token); context parallelism changes its work.
+      context_length: the sequence a `context` mesh axis splits (its causal attention
+        gathers keys and values over it); 0: the task's attention cannot be split so.
+      context_block: the local sequence (length / context) must be a whole number of these
+        (blockwise attention's block; 1: any).
     """
 
     blocks: int
@@ -86,12 +100,17 @@ class Profile:
     tokens_per_example: int = 1
     ops_per_block: int = 40
     ops_outside: int = 30
+    block_temporary: list = dataclasses.field(default_factory=list)
+    causal_attention_share: float = 0.0
+    context_length: int = 0
+    context_block: int = 1
 
 
 def transformer_block(length: int, embed: int, heads: int, mlp: int, dropout: float = 0.0,
                       attention_dropout: float = 0.0, kv_length: int | None = None,
                       cross_length: int | None = None, sequence_axis: str = "sequence",
-                      mlp_share: float = 1.0, blockwise: bool = False) -> tuple[list, list]:
+                      mlp_share: float = 1.0, blockwise: bool = False,
+                      kv_heads: int | None = None) -> tuple[list, list]:
     """(saved tensors, collectives) of one pre- or post-norm Transformer block per example.
 
     Self-attention over `kv_length` keys (default: `length`), an optional cross
@@ -99,6 +118,13 @@ def transformer_block(length: int, embed: int, heads: int, mlp: int, dropout: fl
     `mlp_share` of the blocks (MoE blocks bring their own). `blockwise` self-attention
     (tfpod.attention, without attention dropout) keeps each query's row statistics
     (float32) instead of the [heads, length, keys] probabilities.
+
+    Context parallelism (`length` split over a mesh axis, tfpod.partitioning.CONTEXT_AXIS):
+    the queries stay split, the keys and values of the self-attention (`kv_heads` of them,
+    logical axis `kv_heads`; None: `heads` as many as the queries) are all-gathered over the
+    axis forward and their gradients reduce-scattered backward, and the gathered keys and
+    values (the whole length) are kept for the backward beside the local ones. Both are
+    tensors `when_split` on `length`: a plan without context has neither.
     """
     kv = embed // heads
     kv_length = kv_length or length
@@ -115,6 +141,9 @@ def transformer_block(length: int, embed: int, heads: int, mlp: int, dropout: fl
         return kept + [Tensor(("heads", "length", None), (heads, length, keys), probs)]
 
     saved = attention(kv_length, blockwise and not attention_dropout)
+    gathered = Tensor((None,) + _kv_axes(kv_heads), (kv_length, kv_heads or heads, kv), 2,
+                      when_split="length")  # the whole length's keys and values
+    saved.append(gathered)
     if cross_length:
         saved += attention(cross_length, False)
     saved += [Tensor(stream, (length, embed), 2),  # the MLP's layer norm input and output
@@ -122,8 +151,22 @@ def transformer_block(length: int, embed: int, heads: int, mlp: int, dropout: fl
     if dropout:
         saved.append(Tensor(stream, (length, embed), 2 + (1 if cross_length else 0)))  # residual dropout masks
     contractions = 1 + mlp_share + (1 if cross_length else 0)  # attention output and MLP output: row-parallel
-    collectives = [Collective(Tensor(stream, (length, embed)), "mlp", "all_reduce", contractions)]
+    collectives = [Collective(Tensor(stream, (length, embed)), "mlp", "all_reduce", contractions),
+                   Collective(Tensor(("length",) + _kv_axes(kv_heads), (kv_length, kv_heads or heads, kv)),
+                              "length", "all_gather", 2, backward="reduce_scatter")]  # keys, values over `context`
     return saved, collectives
+
+
+def _kv_axes(kv_heads: int | None) -> tuple:
+    """The logical axes of one position's keys (or values): grouped-query attention's own
+    `kv_heads` (replicated where the tensor-parallel axis does not divide them), else `heads`."""
+    return ("kv_heads" if kv_heads else "heads", "kv")
+
+
+def blockwise_scores(length: int, heads: int, block: int) -> Tensor:
+    """The scores (float32) blockwise attention holds while it runs: the local queries
+    against one key block, [heads, length, block] (split like the queries)."""
+    return Tensor(("heads", "length", None), (heads, length, min(block, length)), 1, "float32")
 
 
 def lm_outside(length: int, embed: int, vocab: int, one_hot_lookup: bool) -> list:

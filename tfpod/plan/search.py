@@ -10,6 +10,14 @@ training would refuse (a mesh axis no rule uses, a dimension an axis does not di
 is dropped. Of those whose plan fits the device memory with the margin, the fastest
 predicted step wins; ties go to the simpler layout (fewer switches, then the earlier
 preset).
+
+Context parallelism (a `context` axis splitting the sequence, for a task whose profile
+allows it: `Profile.context_length`) is tried only when no layout without it fits: then
+the meshes `data`, `context`, `model` (`expert`) with every `context` size above 1 that
+divides the devices and leaves each device a whole number of attention blocks
+(`context_sizes`), without sequence parallelism (both would split the residual stream's
+sequence, a dimension DTensor splits over one mesh axis) and without stages, join the
+candidates, and the fastest that fits wins.
 """
 
 from __future__ import annotations
@@ -19,7 +27,7 @@ import logging
 from typing import Iterator
 
 from tfpod import UserError
-from tfpod.partitioning import PRESETS
+from tfpod.partitioning import CONTEXT_AXIS, PRESETS
 from tfpod.plan.planner import Choice, Planner
 
 log = logging.getLogger("tfpod")
@@ -49,9 +57,29 @@ def _meshes(num_devices: int, names: tuple) -> Iterator[str]:
             yield spec
 
 
-def candidates(planner: Planner, mesh: str | None = None) -> Iterator[Choice]:
+def context_sizes(planner: Planner) -> list[int]:
+    """The `context` axis sizes --mesh=auto tries: above 1, dividing the devices, and leaving
+    each device a whole number of the attention's blocks (none for a task whose attention
+    cannot be split over `context`)."""
+    length, block = planner.profile.context_length, max(1, planner.profile.context_block)
+    return [c for c in _divisors(planner.num_devices)
+            if c > 1 and length and length % c == 0 and (length // c) % block == 0 and length % (2 * c) == 0]
+
+
+def _context_meshes(planner: Planner, names: list) -> Iterator[str]:
+    """Meshes over `names` with a `context` axis of each of `context_sizes` (placed before `model`)."""
+    rest = [n for n in names if n != "stage"]
+    for size in context_sizes(planner):
+        for spec in _meshes(planner.num_devices // size, tuple(rest)):
+            axes = spec.split(",")
+            axes.insert(1, f"{CONTEXT_AXIS}:{size}")  # data (always first), context, model, expert
+            yield ",".join(axes)
+
+
+def candidates(planner: Planner, mesh: str | None = None, context: bool = False) -> Iterator[Choice]:
     """Every choice to plan for this experiment on the planner's devices (on `mesh`
-    only when given: sharding.preset='auto' with a mesh chooses the rest)."""
+    only when given: sharding.preset='auto' with a mesh chooses the rest); with `context`,
+    the meshes with a `context` axis instead (`_context_meshes`)."""
     task = planner.c.task
     logical = {a for rule in task.axis_rules for a in rule.axes if a}
     names = ["data"]
@@ -62,14 +90,18 @@ def candidates(planner: Planner, mesh: str | None = None) -> Iterator[Choice]:
     if task.pipelines:
         names.insert(0, "stage")
     has_remat = task.recomputes
-    for spec in [mesh] if mesh else _meshes(planner.num_devices, tuple(names)):
+    if mesh:
+        specs = [mesh]
+    else:
+        specs = _context_meshes(planner, names) if context else _meshes(planner.num_devices, tuple(names))
+    for spec in specs:
         sizes = dict(p.split(":") for p in spec.replace(" ", "").split(","))
         stages = int(sizes.get("stage", 1))
         for preset in PRESETS.values():  # in registration order
             if not preset.tried_on(sizes):
                 continue
             splits_model = "model" in sizes and "model" in preset.table.values()
-            for sp in ((False, True) if splits_model else (False,)):
+            for sp in ((False, True) if splits_model and CONTEXT_AXIS not in sizes else (False,)):
                 for remat in ((False, True) if has_remat else (None,)):
                     if stages > 1:
                         for m in (stages, 2 * stages, 4 * stages):  # plan() drops those the batch refuses
@@ -104,15 +136,21 @@ def search(planner: Planner, top: int = 5, mesh: str | None = None) -> tuple[dic
     """(the fastest plan that fits or None, the `top` plans by predicted step time:
     fitting plans first); on `mesh` only when given."""
     plans = []
-    choices = list(candidates(planner, mesh))
-    log.info("--mesh=auto: planning %d layouts of %s on %d devices ...", len(choices), planner.c.task.name,
-             planner.num_devices)
-    for i, choice in enumerate(choices):
-        for made, plan in _plans(planner, choice):
-            plan["choice"] = made.describe()
-            plan["_rank"] = (not plan["fits"], plan["step_time_s"],
-                             bool(plan["sequence_parallel"]) + bool(plan["remat"]), i)
-            plans.append(plan)
+
+    def plan_all(choices: list, what: str) -> None:
+        log.info("--mesh=auto: planning %d layouts of %s on %d devices%s ...", len(choices), planner.c.task.name,
+                 planner.num_devices, what)
+        for choice in choices:
+            for made, plan in _plans(planner, choice):
+                plan["choice"] = made.describe()
+                plan["_rank"] = (not plan["fits"], plan["step_time_s"],
+                                 bool(plan["sequence_parallel"]) + bool(plan["remat"]), len(plans))
+                plans.append(plan)
+
+    plan_all(list(candidates(planner, mesh)), "")
+    if not mesh and not any(p["fits"] for p in plans) and context_sizes(planner):
+        plan_all(list(candidates(planner, context=True)),
+                 f" with a {CONTEXT_AXIS!r} axis (none without one fits)")
     if not plans:
         where = f"mesh {mesh}" if mesh else f"{planner.num_devices} devices"
         raise UserError(f"--mesh=auto / sharding.preset='auto': no layout of model {planner.c.task.name!r} can run on "

@@ -7,7 +7,10 @@
            + ops x per-op overhead
 
 Matmul FLOPs are the task's model FLOPs (`Task.flops_per_token`), split evenly over the
-devices, plus one more forward pass of the blocks under recomputation. The memory-bound
+devices, plus one more forward pass of the blocks under recomputation. Causal attention
+counts the whole length x length matrix, as the model FLOPs do, except over a `context`
+axis: the load-balanced split (each device holds chunks c and 2C-1-c of 2C; its first
+half skips the second half of the keys) computes 3/4 of it (`CONTEXT_ATTENTION_WORK`). The memory-bound
 passes are the activations written in the forward pass and read, with their
 gradients, in the backward pass (3 passes), and the optimizer's read and write of the
 weights, gradients and state. A ring all-reduce over n devices moves 2(n-1)/n of the
@@ -31,6 +34,10 @@ ACTIVATION_PASSES = 3
 WEIGHT_PASSES = 3
 # Ops the optimizer runs per trainable variable (its fused update, the norm, the clip).
 OPS_PER_VARIABLE = 8
+
+# The work of causal attention split over a `context` axis, as a fraction of the whole
+# length x length matrix (what the model FLOPs count): 1/2 x 1/2 + 1/2 x 1.
+CONTEXT_ATTENTION_WORK = 0.75
 
 FACTORS = {"all_reduce": 2.0, "all_gather": 1.0, "reduce_scatter": 1.0, "all_to_all": 1.0,
            "all_reduce+all_gather": 3.0}
@@ -83,7 +90,12 @@ def step_time(*, device: DeviceSpec, precision: str, flops_per_step: float, num_
     """
     m = max(1, microbatches)
     recompute = profile.block_flops_fraction / 3.0 if remat else 0.0
-    flops = (flops_per_step + recompute * (full_flops_per_step or flops_per_step)) / num_devices
+    flops = flops_per_step + recompute * (full_flops_per_step or flops_per_step)
+    context = mesh_sizes.get(table.get("length"), 1) if table.get("length") else 1
+    if context > 1:  # the load-balanced causal split's work, in place of the whole matrix's
+        attention = profile.causal_attention_share * (full_flops_per_step or flops_per_step)
+        flops -= (1 - CONTEXT_ATTENTION_WORK) * attention * (1 + (1 / 3 if remat else 0))
+    flops /= num_devices
     peak = device.flops(precision) * device.matmul_efficiency
     matmul_s = flops / peak
     weight_reads_s = WEIGHT_PASSES * m * (state.weights + state.gathered) / device.memory_bandwidth
@@ -100,15 +112,17 @@ def step_time(*, device: DeviceSpec, precision: str, flops_per_step: float, num_
         if seconds > 0:
             comm[name] = comm.get(name, 0.0) + seconds
 
-    for c, times in [(c, blocks_here * 2 * m) for c in profile.block_collectives] + \
-                    [(c, 2 * m) for c in profile.outside_collectives]:
+    for c, times in [(c, blocks_here * m) for c in profile.block_collectives] + \
+                    [(c, m) for c in profile.outside_collectives]:
         axis = table.get(c.over)
         n = mesh_sizes.get(axis, 1) if axis else 1
-        if n > 1:  # before the collective each device holds the whole tensor along `axis` (partial sums, or
-            # the tokens it sends): sequence parallelism's reduce-scatter + all-gather move what an all-reduce does
+        if n > 1:  # before the collective each device holds the whole tensor along `axis` (partial sums, the
+            # tokens it sends, or what it gathers): sequence parallelism's reduce-scatter + all-gather move what an
+            # all-reduce does
             whole = {k: (None if v == axis else v) for k, v in table.items()}
             nbytes = tensor_bytes(c.tensor, rows, whole, mesh, precision) * c.count
-            add(f"{c.kind} over {axis!r} (activations)", times * collective_seconds(c.kind, nbytes, n, bandwidths[axis]))
+            for kind in (c.kind, c.backward or c.kind):  # forward, backward
+                add(f"{kind} over {axis!r} (activations)", times * collective_seconds(kind, nbytes, n, bandwidths[axis]))
     for axis, nbytes, kind in state.gradient_sync:
         n = mesh_sizes.get(axis, 1)
         add(f"{kind} over {axis!r} (gradients)", collective_seconds(kind, nbytes, n, bandwidths.get(axis, 1.0)))
