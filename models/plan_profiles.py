@@ -42,7 +42,15 @@ def gpt(config, outputs=(), flops=None, mlp_share: float = 1.0, extra_saved=(), 
         outside_collectives=[Collective(Tensor(STREAM, (s, e)), "vocab")], tokens_per_example=s,
         block_temporary=[profile.blockwise_scores(s, config.num_heads, att.block_size)] if blockwise else [],
         causal_attention_share=12.0 * config.num_layers * s * e / total, context_length=s,
+        causal_attention_work=causal_work(s) if blockwise else 0.75,
         context_block=min(att.block_size, s) if blockwise else 1)
+
+
+def causal_work(length: int) -> float:
+    """The share of the whole length x length matrix blockwise causal attention computes:
+    query group g of G attends (g + 1) / G of the keys."""
+    groups = len(attention.query_groups(length, attention.block_for(length, True)))
+    return (groups + 1) / (2 * groups)
 
 
 def llama(config, outputs=(), flops=None) -> Profile:

@@ -328,7 +328,7 @@ def test_context_divides_activations_like_data_and_adds_the_gathered_keys_and_va
     the same bytes, plus the whole length's keys and values each layer keeps (exactly 2 layers x 2 examples x
     2 x 4,096 x 128 x 4 bytes); the K/V all-gather and reduce-scatter over `context` (each (C-1)/C of the gathered
     bytes, per layer, forward and backward), the gradients all-reduced over `context` too, and the causal attention
-    at 3/4 of the whole matrix instead of all of it."""
+    at 3/4 of the whole matrix instead of 5/8 (blockwise's 4 query groups)."""
     from tfpod.plan.timing import CONTEXT_ATTENTION_WORK
 
     c = configs("gpt", long_gpt(), global_batch=8)
@@ -337,7 +337,9 @@ def test_context_divides_activations_like_data_and_adds_the_gathered_keys_and_va
     gathered = 2 * 2 * 2 * 4096 * 128 * 4
     assert x["memory"]["blocks"] - d["memory"]["blocks"] == gathered
     assert x["memory"]["outside_blocks"] == d["memory"]["outside_blocks"]
-    assert x["memory"]["attention_scores"] == d["memory"]["attention_scores"] == 8 * 4096 * 512 * 4  # one key block
+    # one query group (a quarter of the sequence; under context a device's chunk, the same) x one key block,
+    # of each example a device holds
+    assert x["memory"]["attention_scores"] == 2 * d["memory"]["attention_scores"] == 2 * 8 * 1024 * 512 * 4
     assert ctx["activation_bytes"] - data["activation_bytes"] == gathered
     assert ctx["plan"]["context"] == 2 and data["plan"]["context"] == 1
     # the collectives: per layer, the whole length's K and V of the device's 2 examples
@@ -350,10 +352,11 @@ def test_context_divides_activations_like_data_and_adds_the_gathered_keys_and_va
     assert not any("context" in name for name in d["time"]["collectives"])
     sync = {(s["axis"], s["kind"]): s["bytes"] for s in x["gradient_sync"]}
     assert sync[("context", "all_reduce")] == sync[("data", "all_reduce")] == ctx["plan"]["per_device_bytes"]["weights"]
-    # attention FLOPs: 12 x layers x length x embed per token, at 3/4 under context
+    # attention FLOPs: 12 x layers x length x embed per token, at 3/4 under context and 5/8 without (4 query groups)
     share = 12 * 2 * 4096 * 128 / TASKS["gpt"].flops_per_token(c.model)
     assert x["time"]["flops_per_device"] == pytest.approx(
-        d["time"]["flops_per_device"] * (1 - (1 - CONTEXT_ATTENTION_WORK) * share), rel=1e-12)
+        d["time"]["flops_per_device"] * (1 - (1 - CONTEXT_ATTENTION_WORK) * share) / (1 - (1 - 5 / 8) * share),
+        rel=1e-12)
 
 
 @pytest.mark.unit

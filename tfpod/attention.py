@@ -96,6 +96,16 @@ def self_attention_mask(ids: tf.Tensor, segment_ids: tf.Tensor | None, dense) ->
     return dense(ids, segment_ids)
 
 
+def block_for(length: int, causal: bool) -> int:
+    """The key block a self-attention over `length` tokens runs with: attention.block_size,
+    and under a causal mask over an even length at most half of it (two blocks at least:
+    the mask then skips a quarter)."""
+    size = current().block_size
+    if causal and length and length % 2 == 0:
+        size = min(size, length // 2)
+    return size
+
+
 @tf.autograph.experimental.do_not_convert
 def attend(q, k, v, mask, causal: bool, dropout=None, training=None) -> tf.Tensor:
     """Self-attention of q, k, v [batch, heads, length, d] under `mask`: segment ids [batch,
@@ -112,10 +122,7 @@ def attend(q, k, v, mask, causal: bool, dropout=None, training=None) -> tf.Tenso
                             "dropout (set the model's attention_dropout=0.0), or a mesh without `context`")
         return context_attention(q, k, v, mask, causal, chunks, current().block_size)
     if mask.shape.rank == 2 and not dropping and length is not None:  # (serving traces unknown lengths)
-        size = current().block_size
-        if causal and length and length % 2 == 0:
-            size = min(size, length // 2)  # at least two blocks: the causal mask skips a quarter
-        return blockwise(q, k, v, mask, mask, causal, size)
+        return blockwise(q, k, v, mask, mask, causal, block_for(length, causal))
     if mask.shape.rank == 2:
         positions = tf.range(tf.shape(q)[2])
         bias = tf.cast(mask_bias(mask, mask, positions, positions, causal, tf.float32), q.dtype)

@@ -29,6 +29,8 @@ import dataclasses
 import math
 from typing import Sequence
 
+from tfpod import attention
+
 
 @dataclasses.dataclass(frozen=True)
 class Tensor:
@@ -84,6 +86,9 @@ class Profile:
       causal_attention_share: the share of the model FLOPs that is causal self-attention's
         score and value matmuls, counted as the whole length x length matrix (PaLM's
         12 x layers x length x embed per token); context parallelism changes its work.
+      causal_attention_work: the share of that whole matrix's work the attention runs
+        without a `context` axis (blockwise: (G + 1) / 2G for G query groups; materialized:
+        3/4, `fused.attention` skips a quarter); under `context` it is CONTEXT_ATTENTION_WORK.
       context_length: the sequence a `context` mesh axis splits (its causal attention
         gathers keys and values over it); 0: the task's attention cannot be split so.
       context_block: the local sequence (length / context) must be a whole number of these
@@ -102,6 +107,7 @@ class Profile:
     ops_outside: int = 30
     block_temporary: list = dataclasses.field(default_factory=list)
     causal_attention_share: float = 0.0
+    causal_attention_work: float = 1.0
     context_length: int = 0
     context_block: int = 1
 
@@ -164,9 +170,11 @@ def _kv_axes(kv_heads: int | None) -> tuple:
 
 
 def blockwise_scores(length: int, heads: int, block: int) -> Tensor:
-    """The scores (float32) blockwise attention holds while it runs: the local queries
-    against one key block, [heads, length, block] (split like the queries)."""
-    return Tensor(("heads", "length", None), (heads, length, min(block, length)), 1, "float32")
+    """The scores (float32) blockwise attention holds while it runs: one query group against
+    one key block, [heads, length / groups, block]. Under context parallelism a group is one
+    of a device's two chunks, length / 2C rows: at most these for C >= 2 (so not split here)."""
+    rows = max(n for _, n in attention.query_groups(length, block))
+    return Tensor(("heads", None, None), (heads, rows, min(block, length)), 1, "float32")
 
 
 def lm_outside(length: int, embed: int, vocab: int, one_hot_lookup: bool) -> list:

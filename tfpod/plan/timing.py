@@ -92,9 +92,10 @@ def step_time(*, device: DeviceSpec, precision: str, flops_per_step: float, num_
     recompute = profile.block_flops_fraction / 3.0 if remat else 0.0
     flops = flops_per_step + recompute * (full_flops_per_step or flops_per_step)
     context = mesh_sizes.get(table.get("length"), 1) if table.get("length") else 1
-    if context > 1:  # the load-balanced causal split's work, in place of the whole matrix's
-        attention = profile.causal_attention_share * (full_flops_per_step or flops_per_step)
-        flops -= (1 - CONTEXT_ATTENTION_WORK) * attention * (1 + (1 / 3 if remat else 0))
+    # causal attention runs part of the whole matrix the model FLOPs count: the blocks it skips
+    work = CONTEXT_ATTENTION_WORK if context > 1 else profile.causal_attention_work
+    attention = profile.causal_attention_share * (full_flops_per_step or flops_per_step)
+    flops -= (1 - work) * attention * (1 + (1 / 3 if remat else 0))
     flops /= num_devices
     peak = device.flops(precision) * device.matmul_efficiency
     matmul_s = flops / peak
