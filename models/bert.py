@@ -55,7 +55,7 @@ import tf_keras
 from official.nlp.modeling import layers as mg_layers
 from official.nlp.modeling import networks as mg_networks
 
-from tfpod import UserError, check_positive, compat, evaluation, fused
+from tfpod import UserError, attention, check_positive, compat, evaluation, fused
 from tfpod.input import bert_data
 from tfpod.models import gpt, lm_serving
 from tfpod.partitioning import AxisRule, shard
@@ -182,6 +182,17 @@ class MaskedLMHead(mg_layers.MaskedLM):
         return tf.cast(logits, tf.float32)
 
 
+class KeyMask(mg_layers.SelfAttentionMask):
+    """BertEncoderV2's attention mask of input_mask [batch, length]: for blockwise attention
+    [batch, 1, length], a key mask (every token, padding too, attends the example's real
+    tokens: tfpod.attention.mask_segments), else Model Garden's [batch, length, length]."""
+
+    def call(self, inputs, to_mask=None):
+        if attention.current().implementation == "blockwise":
+            return tf.expand_dims(tf.cast(to_mask, inputs.dtype), 1)
+        return super().call(inputs, to_mask)
+
+
 class BertPretrainer(tf_keras.Model):
     """BERT with its pretraining heads: batch features -> masked-LM logits [batch, predictions, vocab]."""
 
@@ -225,6 +236,9 @@ class BertPretrainer(tf_keras.Model):
         compat.set_transformer_layers(self.encoder, [
             gpt.Block(shape, init, norm_first=config.norm_first, activation=activation, name=f"transformer/layer_{i}")
             for i in range(config.num_layers)])
+        for layer in compat.flatten_layers(self.encoder):  # its attention mask: a key mask for blockwise attention
+            if type(layer) is mg_layers.SelfAttentionMask:
+                layer.__class__ = KeyMask
         self.encoder.pooler_layer.trainable = config.next_sentence
         self.masked_lm = MaskedLMHead(config.vocab_size, config.hidden_size, activation, init())
         # The NSP classifier exists either way (so checkpoints have one shape), frozen without NSP.

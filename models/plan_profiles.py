@@ -28,7 +28,7 @@ def gpt(config, outputs=(), flops=None, mlp_share: float = 1.0, extra_saved=(), 
     del outputs
     s, e = config.seq_len, config.embed_dim
     att = attention.current()
-    blockwise = att.implementation == "blockwise" and not config.attention_dropout
+    blockwise = att.implementation == "blockwise"
     saved, collectives = profile.transformer_block(s, e, config.num_heads, config.mlp_dim, config.dropout,
                                                    config.attention_dropout, mlp_share=mlp_share,
                                                    blockwise=blockwise, kv_heads=kv_heads)

@@ -58,10 +58,11 @@ import tf_keras
 from official.nlp.modeling import layers as mg_layers
 from official.nlp.modeling import models as mg_models
 
-from tfpod import UserError, compat, evaluation
+from tfpod import UserError, attention, attention_layers, compat, evaluation
 from tfpod.input import translation as translation_data
 from tfpod.partitioning import AxisRule, shard
 from tfpod.models import plan_profiles
+from tfpod.models.bleu import bleu_from_statistics, bleu_statistics
 from tfpod.task import EvalContext, LossTerms, Task
 
 log = logging.getLogger("tfpod")
@@ -179,6 +180,9 @@ class _FinalNormNamed:
     def build(self, input_shape):
         super().build(input_shape)
         compat.rename_layer(self.output_normalization, "layer_normalization")  # before it builds its weights
+        for block in compat.flatten_layers(self, include_self=False):  # their attention layers: blockwise stand-ins
+            if isinstance(block, (mg_layers.TransformerEncoderBlock, mg_layers.TransformerDecoderBlock)):
+                attention_layers.use_blockwise_when_built(block, decoder_self_attention=True)
 
 
 class TransformerEncoder(_FinalNormNamed, mg_models.TransformerEncoder):
@@ -234,8 +238,8 @@ class Seq2SeqTransformer(mg_models.Seq2SeqTransformer):
         x = x + tf.cast(self.position_embedding(x), x.dtype)  # sinusoids [src_len, hidden]
         x = self.encoder_dropout(x, training=training)
         x = shard(x, ACTIVATION_AXES)
-        # [batch, query, key]: every query attends to the real source tokens
-        self_mask = tf.ones_like(source_mask)[:, :, None] * source_mask[:, None, :]
+        # every query attends to the real source tokens: [batch, 1, key] (blockwise) or [batch, query, key]
+        self_mask = _key_mask(source_mask, tf.ones_like(source_mask))
         memory = self.encoder_layer(x, attention_mask=self_mask, training=training)
         return shard(memory, ACTIVATION_AXES), source_mask
 
@@ -250,7 +254,9 @@ class Seq2SeqTransformer(mg_models.Seq2SeqTransformer):
         ones = tf.ones_like(shifted, tf.float32)[:, :, None]  # [batch, tgt_len, 1]
         causal = tf.linalg.band_part(tf.ones([length, length], tf.float32), -1, 0)  # [tgt_len, tgt_len]
         self_mask = ones * causal[None, :, :]  # [batch, tgt_len, tgt_len]
-        cross_mask = ones * source_mask[:, None, :]  # [batch, tgt_len, src_len]
+        if attention.current().implementation == "blockwise":  # the decoder's self-attention layers are causal
+            self_mask = tf.expand_dims(tf.ones_like(shifted, tf.float32), 1)  # [batch, 1, tgt_len]: no padding
+        cross_mask = _key_mask(source_mask, tf.ones_like(shifted, tf.float32))  # [batch, 1 or tgt_len, src_len]
         hidden = self.decoder_layer(x, memory, self_attention_mask=self_mask, cross_attention_mask=cross_mask,
                                     training=training)
         return shard(hidden, ACTIVATION_AXES)
@@ -266,6 +272,14 @@ class Seq2SeqTransformer(mg_models.Seq2SeqTransformer):
         memory, source_mask = self.encode(inputs["inputs"], training=training)
         hidden = self.decode_hidden(memory, source_mask, inputs["targets"], training=training)
         return shard(self.logits(hidden), ("batch", "length", "vocab"))  # [batch, tgt_len, vocab]
+
+
+def _key_mask(keys: tf.Tensor, queries: tf.Tensor) -> tf.Tensor:
+    """keys [batch, S] (1 for a real token) as the mask of queries [batch, T]: [batch, 1, S] for
+    blockwise attention (a key mask, tfpod.attention_layers), else [batch, T, S]."""
+    if attention.current().implementation == "blockwise":
+        return tf.expand_dims(keys, 1)
+    return tf.expand_dims(queries, 2) * tf.expand_dims(keys, 1)
 
 
 def greedy_decode(model: Seq2SeqTransformer, sources: tf.Tensor, length: int) -> tf.Tensor:
@@ -408,37 +422,6 @@ EVAL_METRIC = evaluation.Metric("translation", _metric_update, _metric_result)
 # BLEU of greedy decodes (the task's host_eval_metrics, after the device metrics)
 
 _DECODERS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # model -> compiled greedy decode
-BLEU_ORDER = 4  # sacrebleu's BLEU statistics: [sys_len, ref_len, correct_1..4, total_1..4]
-
-
-def bleu_statistics(hypotheses: list[str], references: list[str], lowercase: bool) -> np.ndarray:
-    """sacrebleu's corpus BLEU sufficient statistics, summed over the sentences.
-
-    Returns:
-      float64 [2 + 2 * 4]: sys_len, ref_len, correct n-grams (n = 1..4), total n-grams;
-      sums of these over any split of a corpus give its corpus BLEU (`bleu_from_statistics`).
-    """
-    from sacrebleu.metrics import BLEU
-
-    total = np.zeros(2 + 2 * BLEU_ORDER, np.float64)
-    if hypotheses:
-        # sacrebleu's own statistics (BLEU.corpus_score computes these, then sums them)
-        stats = compat.bleu_sentence_statistics(BLEU(lowercase=lowercase), hypotheses, references)
-        total += np.sum(np.asarray(stats, np.float64), axis=0)
-    return total
-
-
-def bleu_from_statistics(stats: np.ndarray) -> float:
-    """Corpus BLEU (0-100, sacrebleu's default exponential smoothing) from summed statistics."""
-    from sacrebleu.metrics import BLEU
-
-    stats = [int(round(x)) for x in np.asarray(stats).tolist()]
-    if stats[0] == 0:
-        return 0.0
-    return float(BLEU.compute_bleu(correct=stats[2:2 + BLEU_ORDER], total=stats[2 + BLEU_ORDER:], sys_len=stats[0],
-                                   ref_len=stats[1], smooth_method="exp").score)
-
-
 def _decoder(model: Seq2SeqTransformer, length: int):
     fn = _DECODERS.get(model)
     if fn is None:

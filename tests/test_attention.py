@@ -80,7 +80,7 @@ def test_a_model_trains_the_materialized_losses_with_blockwise_attention(tmp_pat
 def test_the_planner_keeps_no_length_squared_term_for_blockwise_attention():
     """GPT-2 small at 1,024 tokens on 8 H100s (8 examples a device, fp32): blockwise attention's
     activations are the materialized path's less each layer's [heads, 1024, 1024] probabilities,
-    plus one float32 statistic a row."""
+    plus two float32 statistics a row (max and sum)."""
     from test_plan import configs
     from tfpod.models import TASKS
     from tfpod.plan import devices
@@ -94,4 +94,4 @@ def test_the_planner_keeps_no_length_squared_term_for_blockwise_attention():
         plan = Planner(configs("gpt", model, global_batch=64), devices.get("h100"), 8).plan(Choice("data:8", "data"))
         acts[impl] = plan["per_device_bytes"]["activations"]
     attention.use(attention.AttentionConfig())
-    assert acts["materialized"] - acts["blockwise"] == 12 * 8 * 12 * 1024 * (1024 - 1) * 4
+    assert acts["materialized"] - acts["blockwise"] == 12 * 8 * 12 * 1024 * (1024 - 2) * 4

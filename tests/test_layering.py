@@ -27,7 +27,7 @@ LAYERS = [
     {"trainer and pipeline": ("tfpod.trainer", "tfpod.train_state", "tfpod.pipeline"), "models": ("tfpod.models",)},
     {"task contract": ("tfpod.task", "tfpod.lora")},
     {"input": ("tfpod.input",)},
-    {"partitioning and the runtime": ("tfpod.partitioning", "tfpod.optimizers", "tfpod.fused", "tfpod.attention", "tfpod.mesh",
+    {"partitioning and the runtime": ("tfpod.partitioning", "tfpod.optimizers", "tfpod.fused", "tfpod.attention", "tfpod.attention_layers", "tfpod.mesh",
                                       "tfpod.runtime", "tfpod.measured", "tfpod.flops")},
     {"leaves": ("tfpod.compat", "tfpod.console", "tfpod.preemption", "tfpod.run_folder", "tfpod.cluster",
                 "tfpod.evaluation", "tfpod.precision", "tfpod.plan.profile", "tfpod.pipeline.schedules")},

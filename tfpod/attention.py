@@ -18,10 +18,10 @@ running row max m and sum l over its key blocks,
     s = q_g k_j^T * scale + mask_gj;  m' = max(m, rowmax s);  p = exp(s - m')
     l = l * exp(m - m') + rowsum p;    acc = acc * exp(m - m') + dropout(p) v_j
 
-and out_g = acc / l; only out and the row statistics lse = m + log l are kept. Backward,
+and out_g = acc / l; only out and the row statistics m and l are kept. Backward,
 per pair, with D = rowsum(dout * out) (which holds with dropout too):
 
-    p = exp(s - lse);  dv_j += dropout(p)^T dout_g;  dp = dropout'(dout_g v_j^T)
+    p = exp(s - m) / l;  dv_j += dropout(p)^T dout_g;  dp = dropout'(dout_g v_j^T)
     ds = p * (dp - D);  dq_g += ds k_j * scale;  dk_j += ds^T q_g * scale
 
 Each pair starts after the previous one's results (control dependencies): the executor
@@ -106,32 +106,88 @@ def block_for(length: int, causal: bool) -> int:
     return size
 
 
+def dropout_seed(dropout) -> tf.Tensor | None:
+    """The [2] int64 stateless seed a Keras dropout layer would draw its next mask from, or
+    None (a layer without a stateless seed: Keras's legacy stateful dropout).
+
+    Under tfpod's trainer (tfpod.partitioning.replayable_dropout) this is (train.seed, layer,
+    microbatch, step): a resumed run and a recomputed block draw the same masks."""
+    generator = getattr(dropout, "_random_generator", None)
+    make = getattr(generator, "make_seed_for_stateless_op", None)
+    seed = make() if make is not None else None
+    return None if seed is None else tf.cast(tf.stack(seed), tf.int64)
+
+
+def _dropping(dropout, training) -> bool | None:
+    """Whether `dropout` (a Keras layer or None) drops now: True, False, or None when `training`
+    is only known when the step runs (a tensor)."""
+    if dropout is None or not dropout.rate or training is None:
+        return False
+    value = tf.get_static_value(training)
+    return None if value is None else bool(value)
+
+
+def mask_segments(mask: tf.Tensor, lq: int | None):
+    """(query segment ids [batch, Lq], key segment ids [batch, Lk]) of a mask `attend` takes, or
+    None for a dense mask: segment ids [batch, length] are both; a key mask [batch, 1, Lk] (1
+    where every query may attend the key: padding) gives keys its 1s and 0s and every query 1."""
+    if mask.shape.rank == 2:
+        ids = tf.cast(mask, tf.int32)
+        return ids, ids
+    if mask.shape.rank == 3 and mask.shape[1] == 1 and lq is not None:
+        keys = tf.cast(tf.squeeze(mask, 1), tf.int32)  # [batch, Lk]
+        return tf.ones(tf.stack([tf.shape(mask)[0], lq]), tf.int32), keys
+    return None
+
+
 @tf.autograph.experimental.do_not_convert
 def attend(q, k, v, mask, causal: bool, dropout=None, training=None) -> tf.Tensor:
-    """Self-attention of q, k, v [batch, heads, length, d] under `mask`: segment ids [batch,
-    length] (`self_attention_mask`: blockwise, with a causal mask if `causal`) or a dense
-    [batch, length, length] mask (1 where a query may attend a key). With a Keras `dropout`
-    layer active (training), or a length unknown when traced (a SavedModel's prompt), the
-    probabilities are materialized (and dropped by the layer)."""
-    dropping = dropout is not None and dropout.rate and training is not None and training is not False
-    length = q.shape[2]
+    """Attention of q [batch, heads, Lq, d] over k, v [batch, heads, Lk, d] under `mask`:
+    segment ids [batch, length] (`self_attention_mask`) or a key mask [batch, 1, Lk]
+    (`mask_segments`): blockwise, with a causal mask if `causal`; or a dense [batch, Lq, Lk]
+    mask (1 where a query may attend a key): materialized. A Keras `dropout` layer active in
+    training drops the probabilities: in the kernel, from the layer's stateless seed
+    (`dropout_seed`)."""
+    segments = mask_segments(mask, q.shape[2])
+    if segments is None:
+        bias = (1.0 - tf.cast(tf.expand_dims(mask, 1), q.dtype)) * tf.cast(NEG, q.dtype)  # [batch, 1, Lq, Lk]
+        if _dropping(dropout, training) is False:
+            return fused.attention(q, k, v, bias, causal=causal)
+        return _materialized_dropout(q, k, v, bias, dropout, training)
+    return attend_segments(q, k, v, *segments, causal, dropout, training)
+
+
+@tf.autograph.experimental.do_not_convert
+def attend_segments(q, k, v, q_segments, k_segments, causal: bool, dropout=None, training=None) -> tf.Tensor:
+    """Attention of q [batch, heads, Lq, d] over k, v [batch, heads, Lk, d]: a query attends a
+    key of its own segment (ids [batch, Lq] and [batch, Lk], or None: one segment) and, with
+    `causal`, not after its position (both from 0). Blockwise, with the run's block size and
+    dropout in the kernel; materialized where it cannot be: a length unknown when traced (a
+    SavedModel's prompt), `training` a tensor, or a dropout layer without a stateless seed."""
+    dropping = _dropping(dropout, training)
+    seed = dropout_seed(dropout) if dropping else None
+    lq, lk = q.shape[2], k.shape[2]
     chunks = partitioning_context.context_chunks()
-    if chunks > 1:
-        if mask.shape.rank != 2 or dropping:
-            raise UserError("a `context` mesh axis needs attention.implementation='blockwise' and no attention "
-                            "dropout (set the model's attention_dropout=0.0), or a mesh without `context`")
-        return context_attention(q, k, v, mask, causal, chunks, current().block_size)
-    if mask.shape.rank == 2 and not dropping and length is not None:  # (serving traces unknown lengths)
-        return blockwise(q, k, v, mask, mask, causal, block_for(length, causal))
-    if mask.shape.rank == 2:
-        positions = tf.range(tf.shape(q)[2])
-        bias = tf.cast(mask_bias(mask, mask, positions, positions, causal, tf.float32), q.dtype)
-    else:
-        bias = (1.0 - tf.cast(tf.expand_dims(mask, 1), q.dtype)) * tf.cast(NEG, q.dtype)  # [batch, 1, length, length]
-    if dropping:
-        scores = tf.matmul(q * tf.cast(q.shape[-1] ** -0.5, q.dtype), k, transpose_b=True) + bias
-        return tf.matmul(dropout(tf.nn.softmax(scores, axis=-1), training=training), v)
-    return fused.attention(q, k, v, bias, causal=causal)
+    if chunks > 1:  # the sequence split over `context`
+        if dropping or lq != lk:
+            raise UserError("a `context` mesh axis needs self-attention without attention dropout (set the model's "
+                            "attention_dropout=0.0), or a mesh without `context`")
+        return context_attention(q, k, v, q_segments, causal, chunks, current().block_size)
+    if lq is not None and lk is not None and dropping is not None and (seed is not None or not dropping):
+        size = block_for(lq, causal) if lq == lk else current().block_size
+        return blockwise(q, k, v, q_segments, k_segments, causal, size, dropout.rate if dropping else 0.0, seed)
+    bias = mask_bias(q_segments, k_segments, tf.range(tf.shape(q)[2]), tf.range(tf.shape(k)[2]), causal, tf.float32)
+    bias = tf.zeros([1, 1, 1, 1], q.dtype) if bias is None else tf.cast(bias, q.dtype)
+    if dropping is False:
+        return fused.attention(q, k, v, bias, causal=causal)
+    return _materialized_dropout(q, k, v, bias, dropout, training)
+
+
+def _materialized_dropout(q, k, v, bias, dropout, training) -> tf.Tensor:
+    """softmax(q k^T / sqrt(d) + bias) v with the Keras `dropout` layer on the probabilities."""
+    scores = tf.matmul(q * tf.cast(q.shape[-1] ** -0.5, q.dtype), k, transpose_b=True) + bias
+    return tf.matmul(dropout(tf.nn.softmax(scores, axis=-1), training=training), v)
+
 
 
 def mask_bias(q_segments, k_segments, q_positions, k_positions, causal: bool, dtype) -> tf.Tensor | None:
@@ -155,10 +211,45 @@ def mask_bias(q_segments, k_segments, q_positions, k_positions, causal: bool, dt
 
 def keep_mask(seed, shape, rate: float, block: tuple[int, int], dtype) -> tf.Tensor:
     """The dropout scale of one block's probabilities: 0 where dropped, 1 / (1 - rate) where kept,
-    drawn from `seed` ([2] int) and the block's (query group, key block) indices."""
-    block_seed = tf.stack([seed[0] + block[0] * 1_000_003 + block[1], seed[1]])
-    keep = tf.random.stateless_uniform(shape, block_seed, dtype=tf.float32) >= rate
+    drawn from `seed` ([2] int) and the block's (query block, key block) indices.
+
+    The draw is a counter-based hash of the seed, the block and each element's index in it
+    (`_uniform`), not a random op: every device computes the values of the elements it holds,
+    equal to one device's whatever the layout (DTensor seeds a sharded random op per device,
+    see tfpod.partitioning.random_layout), with no draw of a replicated whole."""
+    keep = _uniform(seed, shape, block) >= rate
     return tf.cast(keep, dtype) * tf.cast(1.0 / (1.0 - rate), dtype)
+
+
+def _fmix(x: tf.Tensor) -> tf.Tensor:
+    """MurmurHash3's 32-bit finalizer (a bijection of uint32 that mixes every bit into every other)."""
+    for shift, factor in ((16, 0x85EBCA6B), (13, 0xC2B2AE35)):
+        x = tf.bitwise.bitwise_xor(x, tf.bitwise.right_shift(x, tf.constant(shift, tf.uint32)))
+        x = x * tf.constant(factor, tf.uint32)
+    return tf.bitwise.bitwise_xor(x, tf.bitwise.right_shift(x, tf.constant(16, tf.uint32)))
+
+
+_GOLDEN = 0x9E3779B9  # 2^32 / golden ratio: the Weyl step between consecutive counters
+
+
+def _uniform(seed, shape, block: tuple[int, int]) -> tf.Tensor:
+    """Float32 uniforms in [0, 1) of `shape` [batch, heads, rows, cols]: element (b, h, r, c) is
+    a hash of (seed, block, b * heads + h, r * cols + c) (each index below 2^32)."""
+    seed = tf.cast(seed, tf.int64)
+    words = [seed[0], tf.bitwise.right_shift(seed[0], 32), seed[1], tf.bitwise.right_shift(seed[1], 32)]
+    key = tf.constant(_GOLDEN, tf.uint32)
+    for word in [tf.cast(tf.bitwise.bitwise_and(w, 0xFFFFFFFF), tf.uint32) for w in words] + \
+            [tf.constant(block[0], tf.uint32), tf.constant(block[1], tf.uint32)]:
+        key = _fmix(tf.bitwise.bitwise_xor(key, word) + tf.constant(_GOLDEN, tf.uint32))
+    b, h, rows, cols = (shape[i] for i in range(4))
+    # (tf.reshape, not x[:, None]: a strided slice that adds an axis fails under DTensor)
+    row = tf.reshape(tf.range(b), [-1, 1, 1, 1]) * h + tf.reshape(tf.range(h), [1, -1, 1, 1])  # [b, h, 1, 1]
+    row_key = _fmix(tf.bitwise.bitwise_xor(key, _fmix(tf.cast(row, tf.uint32))))
+    cell = tf.cast(tf.reshape(tf.range(rows), [-1, 1]), tf.uint32) * tf.cast(cols, tf.uint32) + \
+        tf.cast(tf.reshape(tf.range(cols), [1, -1]), tf.uint32)  # [rows, cols]
+    bits = _fmix(row_key + cell * tf.constant(_GOLDEN, tf.uint32))  # [b, h, rows, cols]
+    return tf.cast(tf.bitwise.right_shift(bits, tf.constant(8, tf.uint32)), tf.float32) * (2.0 ** -24)
+
 
 
 QUERY_GROUPS = 4  # query rows are taken in at most this many groups (see `blockwise`)
@@ -277,23 +368,23 @@ def block_attention(q, k, v, split, merge, groups, k_segments, causal: bool, blo
                 m, last = m_new, [acc]
             if m is None:  # no key at all: zeros (cannot happen with positions from 0)
                 outs.append(tf.zeros_like(qg))
-                stats.append(tf.zeros_like(qg[..., :1], tf.float32))
+                stats.append((tf.zeros_like(qg[..., :1], tf.float32), tf.ones_like(qg[..., :1], tf.float32)))
                 continue
             outs.append(tf.cast(acc / l, q.dtype))
-            stats.append(m + tf.math.log(l))
+            stats.append((m, l))  # (not m + log l: a row that may attend no key has m near -1e9, where log l is lost)
         out = merge(outs)
 
         def grad(d_out):
             d_q, d_k, d_v, last = [], [None] * len(k_blocks), [None] * len(k_blocks), []
             add = lambda acc, x: x if acc is None else acc + x
-            for gi, (qg, do, o, lse, g) in enumerate(zip(split(q), split(d_out), outs, stats, groups)):
+            for gi, (qg, do, o, (m, l), g) in enumerate(zip(split(q), split(d_out), outs, stats, groups)):
                 row = tf.reduce_sum(tf.cast(do, tf.float32) * tf.cast(o, tf.float32), axis=-1, keepdims=True)
                 dq = None
                 for j, masked in pairs(g):
                     ks, kn = k_blocks[j]
                     kj, vj = k[:, :, ks:ks + kn], v[:, :, ks:ks + kn]
                     with tf.control_dependencies(last):  # (all of the pair: else dp is made early)
-                        p = tf.exp(scores(qg, g, j, masked) - lse)
+                        p = tf.exp(scores(qg, g, j, masked) - m) / l
                         keep = keep_mask(seed, tf.shape(p), dropout_rate, (gi, j), tf.float32) if dropout_rate else None
                         d_v[j] = add(d_v[j], contract("bhqk,bhqd->bhkd", tf.cast(p if keep is None else p * keep, v.dtype), do))
                         dp = tf.cast(contract("bhqd,bhkd->bhqk", do, vj), tf.float32)

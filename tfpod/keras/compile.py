@@ -13,7 +13,7 @@ import tensorflow as tf
 import tf_keras
 from tensorflow.experimental import dtensor
 
-from tfpod import UserError, compat
+from tfpod import UserError, attention_layers, compat
 from tfpod.keras import layers, preprocessing, support
 from tfpod.keras.layout_map import KerasSharding, is_dvariable as _is_dvariable
 
@@ -50,6 +50,9 @@ def prepare_compile(model, layout_map: KerasSharding, optimizer, steps_per_execu
         )
     layout_map.check_rules_used()
     layers.use_mesh_layers(model)
+    blockwise = attention_layers.use_blockwise(model)  # MultiHeadAttention through tfpod.attention's kernel
+    if blockwise:
+        log.info("%s: %d MultiHeadAttention layers attend blockwise where their masks allow", model.name, len(blockwise))
     support.check(model)  # ops DTensor cannot lay out: one line now, not an MLIR dump at the first step
     if steps_per_execution == "auto":
         raise UserError("steps_per_execution='auto' is not supported with tfpod.sharding: give a number")

@@ -122,7 +122,7 @@ def transformer_block(length: int, embed: int, heads: int, mlp: int, dropout: fl
     Self-attention over `kv_length` keys (default: `length`), an optional cross
     attention over `cross_length` encoder positions, and an MLP of width `mlp` in
     `mlp_share` of the blocks (MoE blocks bring their own). `blockwise` self-attention
-    (tfpod.attention, without attention dropout) keeps each query's row statistics
+    (tfpod.attention; its dropout runs in the kernel) keeps each query's two row statistics
     (float32) instead of the [heads, length, keys] probabilities.
 
     Context parallelism (`length` split over a mesh axis, tfpod.partitioning.CONTEXT_AXIS):
@@ -142,11 +142,11 @@ def transformer_block(length: int, embed: int, heads: int, mlp: int, dropout: fl
         kept = [Tensor(stream, (length, embed), 2),  # layer norm input and output
                 Tensor(heads_t, (length, heads, kv), 2),  # queries and the attention's output
                 Tensor(heads_t, (keys, heads, kv), 2)]  # keys and values
-        if blocks:  # the row statistics (log-sum-exp) the blockwise backward recomputes the scores from
-            return kept + [Tensor(("heads", "length", None), (heads, length, 1), 1, "float32")]
+        if blocks:  # the row statistics (max and sum) the blockwise backward recomputes the scores from
+            return kept + [Tensor(("heads", "length", None), (heads, length, 1), 2, "float32")]
         return kept + [Tensor(("heads", "length", None), (heads, length, keys), probs)]
 
-    saved = attention(kv_length, blockwise and not attention_dropout)
+    saved = attention(kv_length, blockwise)  # (dropout runs in the kernel too)
     gathered = Tensor((None,) + _kv_axes(kv_heads), (kv_length, kv_heads or heads, kv), 2,
                       when_split="length")  # the whole length's keys and values
     saved.append(gathered)
