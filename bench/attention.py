@@ -55,38 +55,46 @@ def rss_gib(pid: int) -> float:
     return 0.0
 
 
+def measure(cmd: list, max_rss: float) -> dict:
+    """Runs `cmd` (main.py with a --model_dir) in its own process: its peak RSS (GiB, from
+    os.wait4), its metrics.jsonl records, exit code, whether it passed `max_rss` (stopped)."""
+    model_dir = next(a.split("=", 1)[1] for a in cmd if a.startswith("--model_dir="))
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    stopped = []
+
+    def watch():
+        while proc.poll() is None:
+            if rss_gib(proc.pid) > max_rss:
+                stopped.append(True)
+                proc.kill()
+            time.sleep(0.2)
+
+    threading.Thread(target=watch, daemon=True).start()
+    err = proc.stderr.read()
+    _, status, usage = os.wait4(proc.pid, 0)
+    records = []
+    if os.path.exists(os.path.join(model_dir, "metrics.jsonl")):
+        records = [json.loads(l) for l in open(os.path.join(model_dir, "metrics.jsonl"))]
+    return {"peak_rss_gib": usage.ru_maxrss / 2 ** 20, "records": records, "stopped": bool(stopped),
+            "returncode": os.waitstatus_to_exitcode(status), "err": err}
+
+
 def one(impl: str, length: int, steps: int, block: int, max_rss: float) -> dict:
     with tempfile.TemporaryDirectory() as d:
         cmd = [sys.executable, os.path.join(ROOT, "main.py"), "--gin_file=gin/lm_tiny.gin", "--cpu_devices=1",
                "--mesh=data:1", f"--model_dir={d}", "--nopreflight"] + [f"--gin_param={p}" for p in MODEL + [
                    f"gpt.seq_len={length}", f"train.steps={1 + steps}", f"attention.implementation='{impl}'",
                    f"attention.block_size={block}"]]
-        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-        stopped = []
-
-        def watch():
-            while proc.poll() is None:
-                if rss_gib(proc.pid) > max_rss:
-                    stopped.append(True)
-                    proc.kill()
-                time.sleep(0.2)
-
-        threading.Thread(target=watch, daemon=True).start()
-        err = proc.stderr.read()
-        _, status, usage = os.wait4(proc.pid, 0)
-        proc.returncode = os.waitstatus_to_exitcode(status)
-        peak = usage.ru_maxrss / 2 ** 20
-        records = []
-        if os.path.exists(os.path.join(d, "metrics.jsonl")):
-            records = [json.loads(l) for l in open(os.path.join(d, "metrics.jsonl"))]
-        times = [length / r["tokens_per_sec"] for r in records if r.get("kind") == "train" and r["step"] > 1]
-    out = {"implementation": impl, "length": length, "peak_rss_gib": round(peak, 2),
-           "fits": proc.returncode == 0 and not stopped}
+        result = measure(cmd, max_rss)
+    times = [length / r["tokens_per_sec"] for r in result["records"] if r.get("kind") == "train" and r["step"] > 1]
+    out = {"implementation": impl, "length": length, "peak_rss_gib": round(result["peak_rss_gib"], 2),
+           "fits": result["returncode"] == 0 and not result["stopped"]}
     if times:
         out["step_s"] = round(statistics.median(times), 3)
         out["tokens_per_s"] = round(length / out["step_s"], 1)
     if not out["fits"]:
-        out["why"] = "stopped past --max_rss_gib" if stopped else (err.strip().splitlines() or ["?"])[-1][:300]
+        out["why"] = "stopped past --max_rss_gib" if result["stopped"] else (
+            result["err"].strip().splitlines() or ["?"])[-1][:300]
     return out
 
 

@@ -40,10 +40,18 @@ def gpt(config, outputs=(), flops=None, mlp_share: float = 1.0, extra_saved=(), 
         outside_saved=profile.lm_outside(s, e, config.vocab_size, one_hot_lookup=True),
         # the vocab-parallel lookup's and logits' sums over the vocabulary shards
         outside_collectives=[Collective(Tensor(STREAM, (s, e)), "vocab")], tokens_per_example=s,
-        block_temporary=[profile.blockwise_scores(s, config.num_heads, att.block_size)] if blockwise else [],
+        block_temporary=[blockwise_scores(s, config.num_heads)] if blockwise else [],
         causal_attention_share=12.0 * config.num_layers * s * e / total, context_length=s,
         causal_attention_work=causal_work(s) if blockwise else 0.75,
         context_block=min(att.block_size, s) if blockwise else 1)
+
+
+def blockwise_scores(length: int, heads: int) -> profile.Tensor:
+    """What blockwise attention over `length` tokens holds while it runs: one query group's
+    scores against one key block."""
+    block = attention.block_for(length, True)
+    rows = max(n for _, n in attention.query_groups(length, block))
+    return profile.blockwise_scores(rows, heads, min(block, length))
 
 
 def causal_work(length: int) -> float:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import logging
 import math
 from typing import Callable, Mapping, Sequence
 
@@ -156,6 +157,10 @@ class Placement:
         placement = cls(mesh, config.table(default_preset, mesh.dim_names), config.optimizer_axis(default_preset),
                         config.gather_axis(default_preset), stages if len(stages) > 1 else (),
                         get_preset(config.preset or default_preset))
+        if config.sequence_parallel and CONTEXT_AXIS in mesh.dim_names and placement.table.get("sequence") == CONTEXT_AXIS:
+            logging.getLogger("tfpod").warning("sharding.sequence_parallel=True on a mesh with a `context` axis: the stream between "
+                            "blocks is split along the sequence over `context` already, not also over `model` "
+                            "(one dimension splits over one mesh axis); set sequence_parallel=False to silence this")
         if check:
             check_mesh_axes(mesh, placement.table, (placement.update_axis, placement.gather_axis),
                             preset=config.preset or default_preset,

@@ -266,13 +266,15 @@ class ShardingConfig:
     def table(self, default_preset: str, mesh_axes: Iterable[str] = ()) -> dict[str, str | None]:
         """The rules table on a mesh with `mesh_axes`: the preset's, `rules`, sequence
         parallelism (`sequence` over `model`), and with a `context` axis context parallelism
-        (`length` and, unless sequence parallelism took it, `sequence` over `context`)."""
+        (`length` and `sequence` over `context`: the stream between blocks is split along the
+        sequence already, and one dimension splits over one mesh axis, so sequence parallelism
+        adds nothing there; Placement.from_config says so)."""
         overrides = dict(self.rules or {})
-        if self.sequence_parallel:
-            overrides.setdefault("sequence", "model")
-        if CONTEXT_AXIS in mesh_axes:
+        if CONTEXT_AXIS in mesh_axes:  # (sequence parallelism's split of the stream is context's then)
             overrides.setdefault("length", CONTEXT_AXIS)
             overrides.setdefault("sequence", CONTEXT_AXIS)
+        if self.sequence_parallel:
+            overrides.setdefault("sequence", "model")
         return rules_table(self.preset or default_preset, overrides)
 
     def optimizer_axis(self, default_preset: str) -> str | None:

@@ -29,8 +29,6 @@ import dataclasses
 import math
 from typing import Sequence
 
-from tfpod import attention
-
 
 @dataclasses.dataclass(frozen=True)
 class Tensor:
@@ -169,12 +167,12 @@ def _kv_axes(kv_heads: int | None) -> tuple:
     return ("kv_heads" if kv_heads else "heads", "kv")
 
 
-def blockwise_scores(length: int, heads: int, block: int) -> Tensor:
-    """The scores (float32) blockwise attention holds while it runs: one query group against
-    one key block, [heads, length / groups, block]. Under context parallelism a group is one
-    of a device's two chunks, length / 2C rows: at most these for C >= 2 (so not split here)."""
-    rows = max(n for _, n in attention.query_groups(length, block))
-    return Tensor(("heads", None, None), (heads, rows, min(block, length)), 1, "float32")
+def blockwise_scores(rows: int, heads: int, block: int) -> Tensor:
+    """The scores (float32) blockwise attention holds while it runs: one query group of `rows`
+    against one key block, [heads, rows, block] (tfpod.attention.query_groups). Under context
+    parallelism a group is one of a device's two chunks, length / 2C rows: at most a group's
+    for C >= 2, so not split here."""
+    return Tensor(("heads", None, None), (heads, rows, block), 1, "float32")
 
 
 def lm_outside(length: int, embed: int, vocab: int, one_hot_lookup: bool) -> list:

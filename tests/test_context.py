@@ -1,0 +1,98 @@
+"""Context parallelism: a `context` mesh axis splits every activation of a decoder along the
+sequence (tfpod.partitioning.context, tfpod.attention.context_attention). Losses equal
+`data:8`'s at 4,096 tokens with packed documents; checkpoints move between meshes with and
+without `context`; a resumed run is exact; it composes with the presets, recomputation,
+microbatches and pipeline stages."""
+
+import json
+
+import numpy as np
+import pytest
+
+from conftest import device_mesh
+from tfpod import UserError
+from tfpod.api import run
+from tfpod.partitioning import context
+
+LONG = ["gpt.seq_len=4096", "gpt.embed_dim=32", "gpt.num_heads=2", "gpt.mlp_dim=64", "train.global_batch_size=8",
+        "train.steps=2", "train.log_every=1", "train.steps_per_loop=1", "train.checkpoint_every=100",
+        "lm_data.packing='segments'", "attention.block_size=256"]
+SHORT = ["gpt.seq_len=256", "train.global_batch_size=8", "train.log_every=1", "train.steps_per_loop=1",
+         "lm_data.packing='segments'", "attention.block_size=32"]
+
+
+def losses_of(model_dir) -> list:
+    return [json.loads(l)["loss"] for l in open(model_dir / "metrics.jsonl") if '"train"' in l]
+
+
+@pytest.mark.unit
+def test_the_balanced_order_gives_each_device_a_chunk_from_each_end():
+    order = context.zigzag(16, 4)  # 8 chunks of 2: device c holds chunks c and 7 - c
+    assert order.reshape(4, 4).tolist() == [[0, 1, 14, 15], [2, 3, 12, 13], [4, 5, 10, 11], [6, 7, 8, 9]]
+    assert sorted(order) == list(range(16))
+    with pytest.raises(ValueError, match="does not split into 8 equal chunks"):
+        context.zigzag(12, 4)
+
+
+def test_context_meshes_give_data_parallel_losses_at_4096_tokens(tmp_path):
+    """A small GPT at 4,096 tokens with packed documents (segments crossing the chunks'
+    boundaries): `context:4,data:2` and `context:2,model:2,data:2` (tensor) train data:8's
+    losses (relative 1e-5, fp32)."""
+    out = {}
+    for spec, preset in (("data:8", "data"), ("context:4,data:2", "data"), ("context:2,model:2,data:2", "tensor")):
+        model_dir = tmp_path / spec.replace(":", "").replace(",", "_")
+        out[spec] = run(["gin/lm_tiny.gin"], LONG + [f"sharding.preset='{preset}'"], str(model_dir),
+                        mesh=device_mesh(spec))["losses"]
+    assert len(out["data:8"]) == 2
+    for spec in ("context:4,data:2", "context:2,model:2,data:2"):
+        np.testing.assert_allclose(out[spec], out["data:8"], rtol=1e-5, err_msg=spec)
+    layouts = (tmp_path / "context4_data2" / "layouts.txt").read_text()
+    assert "context" in layouts
+
+
+def test_checkpoints_move_between_meshes_with_and_without_context_and_resume_exactly(tmp_path):
+    """GPT at 256 tokens, packed: 4 steps on data:8; 2 steps on context:4,data:2 resumed for 2
+    on data:8, and 2 on data:8 resumed on context:2,model:2,data:2 (tensor), give its losses
+    (relative 1e-5); 2 steps on context:4,data:2 resumed there give the uninterrupted context
+    run's losses exactly."""
+    def train(name, spec, steps, preset="data"):
+        params = SHORT + [f"train.steps={steps}", "train.checkpoint_every=2", f"sharding.preset='{preset}'"]
+        return run(["gin/lm_tiny.gin"], params, str(tmp_path / name), mesh=device_mesh(spec))["losses"]
+
+    whole = train("whole", "data:8", 4)
+    train("a", "context:4,data:2", 2)
+    np.testing.assert_allclose(train("a", "data:8", 4), whole[2:], rtol=1e-5)
+    train("b", "data:8", 2)
+    np.testing.assert_allclose(train("b", "context:2,model:2,data:2", 4, "tensor"), whole[2:], rtol=1e-5)
+    uninterrupted = train("c", "context:4,data:2", 4)
+    np.testing.assert_allclose(uninterrupted, whole, rtol=1e-5)
+    train("d", "context:4,data:2", 2)
+    assert train("d", "context:4,data:2", 4) == uninterrupted[2:]
+
+
+def test_llama_rotary_positions_and_compositions_under_context(tmp_path):
+    """Llama (rotary positions, grouped-query attention) on context:2,model:2,data:2 (tensor), and
+    GPT with recomputation and 2 microbatches, with the 2d preset, and in 2 pipeline stages,
+    each on a context mesh: data:8's losses (relative 1e-5)."""
+    def losses(name, gin, spec, *params):
+        p = SHORT + ["train.steps=2", "train.checkpoint_every=100", *params]
+        if gin == "gin/llama_tiny.gin":
+            p = [x.replace("gpt.", "llama.") for x in p]
+        return run([gin], p, str(tmp_path / name), mesh=device_mesh(spec))["losses"]
+
+    llama = losses("llama", "gin/llama_tiny.gin", "data:8")
+    np.testing.assert_allclose(losses("llama_c", "gin/llama_tiny.gin", "context:2,model:2,data:2",
+                                      "sharding.preset='tensor'"), llama, rtol=1e-5)
+    gpt = losses("gpt", "gin/lm_tiny.gin", "data:8")
+    for name, spec, params in (("remat", "context:4,data:2", ["gpt.remat=True", "train.microbatches=2"]),
+                               ("2d", "context:2,model:2,data:2", ["sharding.preset='2d'"]),
+                               ("stages", "stage:2,context:2,data:2", ["train.microbatches=2"])):
+        np.testing.assert_allclose(losses(name, "gin/lm_tiny.gin", spec, *params), gpt, rtol=1e-5, err_msg=name)
+
+
+def test_context_refuses_what_it_cannot_split(tmp_path):
+    """Attention dropout under `context`, and a sequence the balanced chunks do not divide:
+    one clear line each."""
+    with pytest.raises(UserError, match="context` mesh axis needs self-attention without attention dropout"):
+        run(["gin/lm_tiny.gin"], SHORT + ["train.steps=1", "gpt.attention_dropout=0.1"], str(tmp_path / "a"),
+            mesh=device_mesh("context:4,data:2"))
