@@ -201,10 +201,13 @@ class Attention(tf_keras.layers.Layer):
         if hasattr(mask, "attend"):  # generation: a decoding.LayerCache (of the key/value heads) for the mask
             return self.attention_output(tf.transpose(mask.attend(to_heads(q), to_heads(k), to_heads(v)), [0, 2, 1, 3]))
         if c.num_kv_heads != c.num_heads:  # each key/value head serves num_heads / num_kv_heads query heads
+            if context.context_chunks() > 1:  # gathered over `context` before the repeat: kv_heads' bytes move
+                k, v = (shard(t, ("batch", None, "kv_heads", "kv")) for t in (k, v))
+                heads = ("batch", None, "heads", "kv")
             k, v = (shard(tf.repeat(t, c.num_heads // c.num_kv_heads, axis=2), heads) for t in (k, v))
         q, k, v = to_heads(q), to_heads(k), to_heads(v)
-        context = attention.attend(q, k, v, mask, True, self.dropout, training)
-        return self.attention_output(tf.transpose(context, [0, 2, 1, 3]))
+        attended = attention.attend(q, k, v, mask, True, self.dropout, training)
+        return self.attention_output(tf.transpose(attended, [0, 2, 1, 3]))
 
 
 class Block(tf_keras.layers.Layer):

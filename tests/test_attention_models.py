@@ -87,15 +87,13 @@ GPT = gpt.GPTConfig(vocab_size=256, seq_len=32, num_layers=2, embed_dim=32, num_
 
 def test_gpt_attention_dropout_runs_in_the_kernel_alike_on_a_mesh_resumed_and_recomputed(tmp_path):
     """GPT with attention dropout 0.2 (block 8: 4 x 4 blocks a row): the Megatron `tensor`
-    layout on data:2,model:4 trains one device's losses (relative 1e-5: the keep masks are a
-    hash of each element's global index, equal whatever the layout); recomputed blocks
-    (remat) draw the same masks (relative 1e-6); a run stopped after 2 steps and resumed
+    layout on data:2,model:4 with recomputed blocks (remat) trains one device's losses
+    (relative 1e-5: the keep masks are a hash of each element's global index, equal whatever
+    the layout, and the recomputation draws the same masks); a run stopped after 2 steps and resumed
     trains the third step's loss exactly. The blocks' Keras dropout of the attention output is off (`_kernel_dropout_only`)."""
     one = train(gpt.TASK, GPT, "data:1", tmp_path / "one")
-    mesh = train(gpt.TASK, GPT, "data:2,model:4", tmp_path / "mesh", preset="tensor")
+    mesh = train(gpt.TASK, dataclasses.replace(GPT, remat=True), "data:2,model:4", tmp_path / "mesh", preset="tensor")
     np.testing.assert_allclose(mesh, one, rtol=1e-5)
-    remat = train(gpt.TASK, dataclasses.replace(GPT, remat=True), "data:1", tmp_path / "remat")
-    np.testing.assert_allclose(remat, one, rtol=1e-6)
     train(gpt.TASK, GPT, "data:1", tmp_path / "resumed", steps=2, checkpoint_every=2)
     resumed = train(gpt.TASK, GPT, "data:1", tmp_path / "resumed", steps=3, checkpoint_every=2)
     assert resumed == one[2:]

@@ -169,9 +169,10 @@ def attend_segments(q, k, v, q_segments, k_segments, causal: bool, dropout=None,
     lq, lk = q.shape[2], k.shape[2]
     chunks = partitioning_context.context_chunks()
     if chunks > 1:  # the sequence split over `context`
-        if dropping or lq != lk:
-            raise UserError("a `context` mesh axis needs self-attention without attention dropout (set the model's "
-                            "attention_dropout=0.0), or a mesh without `context`")
+        if dropping or lq != lk or q_segments is not k_segments:
+            raise UserError("a `context` mesh axis needs a decoder's self-attention (segment ids, causal: gpt, llama) "
+                            "without attention dropout (set the model's attention_dropout=0.0), not padding masks or "
+                            "cross-attention (bert, transformer): use a mesh without `context`")
         return context_attention(q, k, v, q_segments, causal, chunks, current().block_size)
     if lq is not None and lk is not None and dropping is not None and (seed is not None or not dropping):
         size = block_for(lq, causal) if lq == lk else current().block_size

@@ -93,6 +93,11 @@ class KerasSharding(compat.layout_map_lib().LayoutMap):
                 f"tfpod.sharding: mesh is a {type(mesh).__name__}, not a dtensor.Mesh: make one with "
                 "tfpod.make_mesh('data:-1,model:2')"
             )
+        if shardinglib.CONTEXT_AXIS in mesh.dim_names and mesh.dim_size(shardinglib.CONTEXT_AXIS) > 1:
+            raise UserError(
+                f"tfpod.sharding: the mesh's `{shardinglib.CONTEXT_AXIS}` axis (context parallelism) splits the sequence "
+                "of tfpod's own decoders (main.py's gpt, llama), which read their tokens' positions in its balanced "
+                "order; a Keras model under fit cannot: use a mesh without it, e.g. tfpod.make_mesh('data:-1,model:2')")
         super().__init__(mesh=mesh)
         self.mesh = mesh
         self.rules = _parse_rules(rules, mesh)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import numpy as np
 import tensorflow as tf
 
+from tfpod import UserError
 from tfpod.partitioning.activations import active_context
 from tfpod.partitioning.rules import CONTEXT_AXIS
 
@@ -26,8 +27,9 @@ def zigzag(length: int, chunks: int) -> np.ndarray:
     if chunks <= 1:
         return np.arange(length)
     if length % (2 * chunks):
-        raise ValueError(f"a sequence of {length} tokens does not split into {2 * chunks} equal chunks "
-                         f"(2 x the context axis's {chunks} devices)")
+        raise UserError(f"a sequence of {length} tokens does not split into {2 * chunks} equal chunks (2 x the "
+                        f"`context` axis's {chunks} devices): use a length divisible by {2 * chunks} or a smaller "
+                        "`context` axis")
     n = length // (2 * chunks)
     order = [c for d in range(chunks) for c in (d, 2 * chunks - 1 - d)]
     return np.concatenate([np.arange(c * n, (c + 1) * n) for c in order])

@@ -10,8 +10,9 @@ parallelism a `sequence` one is, and `batch` always follows the batch's mesh axe
   Collective    a tensor a block moves between devices when a logical axis is split:
                 `all_reduce` (a contraction over a split axis: Megatron's row-parallel
                 output), `all_to_all` (MoE's dispatch and combine over `expert`), or
-                `all_gather` forward and `reduce_scatter` backward (context parallelism's
-                keys and values over the mesh axis of `length`)
+                `all_gather` forward and `all_reduce` backward (context parallelism's
+                keys and values over the mesh axis of `length`: each key block's
+                gradient is summed over the devices' query chunks)
   Profile       the repeated blocks (what one keeps; its input, all that recomputation
                 keeps; its collectives; its share of the model FLOPs) and what the step
                 keeps outside them (embeddings, heads, the loss)
@@ -157,7 +158,7 @@ def transformer_block(length: int, embed: int, heads: int, mlp: int, dropout: fl
     contractions = 1 + mlp_share + (1 if cross_length else 0)  # attention output and MLP output: row-parallel
     collectives = [Collective(Tensor(stream, (length, embed)), "mlp", "all_reduce", contractions),
                    Collective(Tensor(("length",) + _kv_axes(kv_heads), (kv_length, kv_heads or heads, kv)),
-                              "length", "all_gather", 2, backward="reduce_scatter")]  # keys, values over `context`
+                              "length", "all_gather", 2, backward="all_reduce")]  # keys, values over `context`
     return saved, collectives
 
 
