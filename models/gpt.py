@@ -290,9 +290,7 @@ class CausalSelfAttention(tf_keras.layers.Layer):
         self.dropout = tf_keras.layers.Dropout(dropout)
 
     def call(self, x, mask, training=None):
-        # [batch, length, heads, kv] -> [batch, heads, length, kv], laid out first (under sequence and context
-        # parallelism the stream's sequence split moves here, which DTensor's transpose cannot do itself)
-        to_heads = lambda t: tf.transpose(shard(t, ("batch", "length", "heads", "kv")), [0, 2, 1, 3])
+        to_heads = lambda t: tf.transpose(t, [0, 2, 1, 3])  # [batch, length, heads, kv] -> [batch, heads, length, kv]
         q, k, v = to_heads(self.query(x)), to_heads(self.key(x)), to_heads(self.value(x))
         if hasattr(mask, "attend"):  # generation: a decoding.LayerCache in place of the mask
             return self.attention_output(tf.transpose(mask.attend(q, k, v), [0, 2, 1, 3]))
@@ -350,11 +348,10 @@ class Block(tf_keras.layers.Layer):
             x = self.attention_layer_norm(x + tf.cast(self.attention_dropout(a, training=training), x.dtype))
             h = self.output_dense(self.activation(self.intermediate(tf.cast(x, self.compute_dtype))))
             return self.output_layer_norm(x + tf.cast(self.output_dropout(h, training=training), x.dtype))
-        # (the norms' outputs laid out as the block's inside: sequence parallelism's gather, or its move to `context`)
-        inside = lambda t: shard(tf.cast(t, self.compute_dtype), ("batch", "length", "embed"))
-        h = inside(self.attention_layer_norm(x))
+        h = tf.cast(self.attention_layer_norm(x), self.compute_dtype)
         x = x + tf.cast(self.attention_dropout(self.attention(h, mask, training=training), training=training), x.dtype)
-        h = self.output_dense(self.activation(self.intermediate(inside(self.output_layer_norm(x)))))
+        h = tf.cast(self.output_layer_norm(x), self.compute_dtype)
+        h = self.output_dense(self.activation(self.intermediate(h)))
         return x + tf.cast(self.output_dropout(h, training=training), x.dtype)
 
     def get_config(self):
