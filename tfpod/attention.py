@@ -92,7 +92,10 @@ def self_attention_mask(ids: tf.Tensor, segment_ids: tf.Tensor | None, dense) ->
     (ones without packing) for blockwise attention, else `dense(ids, segment_ids)`, the
     [batch, length, length] mask."""
     if current().implementation == "blockwise":
-        return tf.ones_like(ids, tf.int32) if segment_ids is None else tf.cast(segment_ids, tf.int32)
+        if segment_ids is None:  # one segment: ones, read from the ids (tf.ones_like, a constant once the
+            # step is optimized, made the attention keep every block's mask at once: memory quadratic in the length)
+            return tf.cast(tf.greater_equal(ids, 0), tf.int32)
+        return tf.cast(segment_ids, tf.int32)
     return dense(ids, segment_ids)
 
 
@@ -314,9 +317,12 @@ def block_attention(q, k, v, split, merge, groups, k_segments, causal: bool, blo
                 continue  # every key of the block is after every query of the group
             yield j, causal and ks + kn - 1 + k_offset >= g.low  # some key may be after some query
 
+    matmuls = {"bhqd,bhkd->bhqk": dict(transpose_b=True), "bhqk,bhkd->bhqd": {},
+               "bhqk,bhqd->bhkd": dict(transpose_a=True)}
+
     def contract(equation_4d: str, a, b):
-        if a.shape.rank == 4 and b.shape.rank == 4:
-            return tf.einsum(equation_4d, a, b)
+        if a.shape.rank == 4 and b.shape.rank == 4:  # (a batched matmul: faster than einsum's on oneDNN)
+            return tf.matmul(a, b, **matmuls[equation_4d])
         # a group of [batch, heads, chunks, rows, d] (context parallelism): one more letter
         ins, out = equation_4d.split("->")
         x, y = ins.split(",")
