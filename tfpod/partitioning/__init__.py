@@ -36,6 +36,7 @@ The modules, each usable on its own (this package re-exports their public names)
   activations  shard / split / replicate of activations inside the compiled step
   spatial      convolutions and pooling on image rows split over a mesh axis (halo exchange)
   stages       the `stage` axis: pipeline stages' sub-meshes, copies between them
+  context      the `context` axis: sequences in balanced chunks (context parallelism)
   dropout      dropout masks a resumed run replays, the same on every replica
   placement    Placement: the mesh, the table, the update and gather axes, and which
                rows of the global batch each host feeds (host_rows, to_global, to_host)
