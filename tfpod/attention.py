@@ -195,18 +195,20 @@ def _materialized_dropout(q, k, v, bias, dropout, training) -> tf.Tensor:
 
 
 def mask_bias(q_segments, k_segments, q_positions, k_positions, causal: bool, dtype) -> tf.Tensor | None:
-    """The additive mask [batch or 1, 1, lq, lk] of a block (None: every query attends every key).
+    """The additive mask [batch or 1, 1, *rows, lk] of a block (None: every query attends every key).
 
     Args:
-      q_segments, k_segments: [batch, lq], [batch, lk] int segment ids, or None (one segment).
-      q_positions, k_positions: [lq], [lk] int positions (for `causal`).
+      q_segments, k_segments: [batch, *rows], [batch, lk] int segment ids, or None (one segment).
+      q_positions, k_positions: [*rows], [lk] int positions (for `causal`).
     """
     # (tf.expand_dims, not x[:, None]: DTensor's layout pass for a strided slice that adds an axis fails)
     allowed = None
     if q_segments is not None:
-        allowed = tf.equal(tf.expand_dims(q_segments, 2), tf.expand_dims(k_segments, 1))  # [batch, lq, lk]
+        for _ in range(q_segments.shape.rank - 1):
+            k_segments = tf.expand_dims(k_segments, 1)
+        allowed = tf.equal(tf.expand_dims(q_segments, -1), k_segments)  # [batch, *rows, lk]
     if causal:
-        lower = tf.expand_dims(tf.expand_dims(q_positions, 1) >= tf.expand_dims(k_positions, 0), 0)  # [1, lq, lk]
+        lower = tf.expand_dims(tf.expand_dims(q_positions, -1) >= k_positions, 0)  # [1, *rows, lk]
         allowed = lower if allowed is None else tf.logical_and(allowed, lower)
     if allowed is None:
         return None
@@ -215,7 +217,7 @@ def mask_bias(q_segments, k_segments, q_positions, k_positions, causal: bool, dt
 
 def keep_mask(seed, shape, rate: float, block: tuple[int, int], dtype) -> tf.Tensor:
     """The dropout scale of one block's probabilities: 0 where dropped, 1 / (1 - rate) where kept,
-    drawn from `seed` ([2] int) and the block's (query block, key block) indices.
+    drawn from `seed` ([2] int) and the pair's (query group, key block) indices.
 
     The draw is a counter-based hash of the seed, the block and each element's index in it
     (`_uniform`), not a random op: every device computes the values of the elements it holds,
@@ -309,7 +311,6 @@ def block_attention(q, k, v, split, merge, groups, k_segments, causal: bool, blo
         raise ValueError("blockwise attention with dropout needs a seed")
     k_blocks = _blocks(lk, block_size)
     scale = q.shape[-1] ** -0.5
-    rank = None
 
     def pairs(g: Group):
         for j, (ks, kn) in enumerate(k_blocks):
@@ -333,21 +334,9 @@ def block_attention(q, k, v, split, merge, groups, k_segments, causal: bool, blo
     def scores(qg, g: Group, j: int, masked: bool):
         ks, kn = k_blocks[j]
         s = tf.cast(contract("bhqd,bhkd->bhqk", qg, k[:, :, ks:ks + kn]) * tf.cast(scale, qg.dtype), tf.float32)
-        k_positions = tf.range(ks, ks + kn) + k_offset
-        allowed = None
-        if g.segments is not None:
-            k_seg = k_segments[:, ks:ks + kn]
-            for _ in range(g.segments.shape.rank - 1):
-                k_seg = tf.expand_dims(k_seg, 1)
-            allowed = tf.equal(tf.expand_dims(g.segments, -1), k_seg)  # [batch, *rows, kn]
-        if masked:
-            lower = tf.expand_dims(g.positions, -1) >= k_positions  # [*rows, kn]
-            allowed = lower if allowed is None else tf.logical_and(allowed, lower)
-        if allowed is None:
-            return s
-        if allowed.shape.rank == s.shape.rank - 2:  # positions only: a batch dimension of 1
-            allowed = tf.expand_dims(allowed, 0)
-        return s + tf.expand_dims((1.0 - tf.cast(allowed, tf.float32)) * NEG, 1)  # heads broadcast
+        bias = mask_bias(g.segments, None if g.segments is None else k_segments[:, ks:ks + kn], g.positions,
+                         tf.range(ks, ks + kn) + k_offset, masked, tf.float32)
+        return s if bias is None else s + bias
 
     def drop(p, gi, j):
         return p if not dropout_rate else p * keep_mask(seed, tf.shape(p), dropout_rate, (gi, j), p.dtype)
