@@ -52,6 +52,54 @@ def test_blockwise_runs_in_graph_mode_and_under_xla():
         assert max(_compare(fn=fn)) < 1e-6
 
 
+def _score_matmuls_first_in_line(graph_def, rows: int, block: int) -> list[str]:
+    """The [.., rows, block] matmuls (scores, and the gradient's dp) of a traced step that no
+    other such matmul comes before along data edges (control edges are left out: DTensor's
+    graph passes drop those between stateless ops)."""
+    nodes = {n.name: n for n in graph_def.node}
+    shape = lambda n: [d.size for d in n.attr["_output_shapes"].list.shape[0].dim] if "_output_shapes" in n.attr else None
+    big = {n.name for n in graph_def.node if n.op in ("BatchMatMulV2", "MatMul", "Einsum")
+           and (shape(n) or [None, None])[-2:] == [rows, block]}
+    memo = {}
+
+    def after_big(name):  # does some big matmul come before `name` along data edges?
+        if name not in memo:
+            memo[name] = False
+            for i in nodes[name].input:
+                if i.startswith("^"):
+                    continue
+                src = i.split(":")[0]
+                if src in nodes and (src in big or after_big(src)):
+                    memo[name] = True
+                    break
+        return memo[name]
+
+    return sorted(n for n in big if not after_big(n))
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("causal,rate", [(True, 0.0), (False, 0.1)])
+def test_each_pair_waits_for_the_previous_one_by_data(causal, rate):
+    """Memory linear in the length needs one pair's temporaries at a time: every pair's
+    scores (forward and gradient) come after the previous pair's results through data, so
+    the executor cannot make them all as soon as q and k exist. Only the first is free."""
+    b, h, length, d, block = 1, 2, 64, 8, 8
+    q, k, v = (tf.random.stateless_normal([b, h, length, d], [i, 0]) for i in range(3))
+    seg = tf.ones([b, length], tf.int32)
+
+    @tf.function
+    def step(q, k, v, seg):
+        with tf.GradientTape() as tape:
+            tape.watch([q, k, v])
+            out = attention.blockwise(q, k, v, seg, seg, causal, block, rate, tf.constant([1, 2]) if rate else None)
+            loss = tf.reduce_sum(out * out)
+        return tape.gradient(loss, [q, k, v])
+
+    graph = step.get_concrete_function(q, k, v, seg).graph.as_graph_def(add_shapes=True)
+    rows = attention.query_groups(length, block)[0][1]
+    assert len(_score_matmuls_first_in_line(graph, rows, block)) == 1  # (with control dependencies: 40)
+
+
 @pytest.mark.unit
 def test_bad_settings_are_one_line():
     with pytest.raises(UserError, match="attention.implementation='flash': use one of blockwise, materialized"):

@@ -24,9 +24,14 @@ per pair, with D = rowsum(dout * out) (which holds with dropout too):
     p = exp(s - m) / l;  dv_j += dropout(p)^T dout_g;  dp = dropout'(dout_g v_j^T)
     ds = p * (dp - D);  dq_g += ds k_j * scale;  dk_j += ds^T q_g * scale
 
-Each pair starts after the previous one's results (control dependencies): the executor
-would otherwise make many pairs' scores at once. So memory is linear in the length (one
-pair's [batch, heads, group rows, block] temporaries), and so is the graph (at most
+Each pair starts after the previous one's results: the executor would otherwise make every
+pair's scores and mask as soon as q and k exist and hold them until their turn (a whole
+score matrix per head). The order is a data dependency, an exact zero read from the previous
+pair's results and added to the pair's queries, positions and segment ids (`_after`):
+control dependencies are not enough, as DTensor's graph passes drop those between
+stateless ops. Without packing (segment ids [batch, 1]) only the pairs on a causal mask's
+diagonal are masked. So memory is linear in the length (two pairs' [batch, heads, group
+rows, block] temporaries at most), and so is the graph (at most
 groups x key blocks pairs; a pair per query block and key block made a graph, and its
 memory, quadratic in the length). With 4 groups a causal mask costs 5/8 of the whole
 matrix's work (1/2 is the least; the materialized path skips 1/4 of it).
@@ -89,12 +94,11 @@ def current() -> AttentionConfig:
 
 def self_attention_mask(ids: tf.Tensor, segment_ids: tf.Tensor | None, dense) -> tf.Tensor:
     """What a model's blocks pass their attention for the mask: segment ids [batch, length]
-    (ones without packing) for blockwise attention, else `dense(ids, segment_ids)`, the
-    [batch, length, length] mask."""
+    for blockwise attention ([batch, 1] without packing: one segment, no segment mask), else
+    `dense(ids, segment_ids)`, the [batch, length, length] mask."""
     if current().implementation == "blockwise":
-        if segment_ids is None:  # one segment: ones, read from the ids (tf.ones_like, a constant once the
-            # step is optimized, made the attention keep every block's mask at once: memory quadratic in the length)
-            return tf.cast(tf.greater_equal(ids, 0), tf.int32)
+        if segment_ids is None:
+            return tf.ones(tf.stack([tf.shape(ids)[0], 1]), tf.int32)
         return tf.cast(segment_ids, tf.int32)
     return dense(ids, segment_ids)
 
@@ -132,9 +136,12 @@ def _dropping(dropout, training) -> bool | None:
 
 def mask_segments(mask: tf.Tensor, lq: int | None):
     """(query segment ids [batch, Lq], key segment ids [batch, Lk]) of a mask `attend` takes, or
-    None for a dense mask: segment ids [batch, length] are both; a key mask [batch, 1, Lk] (1
-    where every query may attend the key: padding) gives keys its 1s and 0s and every query 1."""
+    None for a dense mask: segment ids [batch, length] are both ([batch, 1]: one segment, (None,
+    None)); a key mask [batch, 1, Lk] (1 where every query may attend the key: padding) gives
+    keys its 1s and 0s and every query 1."""
     if mask.shape.rank == 2:
+        if mask.shape[1] == 1:
+            return None, None
         ids = tf.cast(mask, tf.int32)
         return ids, ids
     if mask.shape.rank == 3 and mask.shape[1] == 1 and lq is not None:
@@ -202,28 +209,48 @@ def mask_bias(q_segments, k_segments, q_positions, k_positions, causal: bool, dt
       q_positions, k_positions: [*rows], [lk] int positions (for `causal`).
     """
     # (tf.expand_dims, not x[:, None]: DTensor's layout pass for a strided slice that adds an axis fails)
+    rows = q_positions.shape.rank
+    if q_segments is not None:
+        q_segments, k_segments = tf.expand_dims(q_segments, 1), _expand(k_segments, 1, rows + 1)
+    bias = scores_bias(q_segments, k_segments, q_positions, k_positions, causal, dtype)
+    return None if bias is None else _expand(bias, 0, rows + 3 - bias.shape.rank)
+
+
+def _expand(x: tf.Tensor, axis: int, n: int) -> tf.Tensor:
+    """x with n axes of size 1 inserted at `axis`."""
+    for _ in range(n):
+        x = tf.expand_dims(x, axis)
+    return x
+
+
+def scores_bias(q_segments, k_segments, q_positions, k_positions, causal: bool, dtype) -> tf.Tensor | None:
+    """The additive mask (0 or NEG) of scores [..., rows, lk], from query-side tensors [..., rows]
+    and key-side ones [..., lk] that broadcast against them (None: every query attends every key).
+
+    Args:
+      q_segments, k_segments: int segment ids, or None (one segment).
+      q_positions, k_positions: int positions (for `causal`).
+    """
     allowed = None
     if q_segments is not None:
-        for _ in range(q_segments.shape.rank - 1):
-            k_segments = tf.expand_dims(k_segments, 1)
-        allowed = tf.equal(tf.expand_dims(q_segments, -1), k_segments)  # [batch, *rows, lk]
+        allowed = tf.equal(tf.expand_dims(q_segments, -1), k_segments)
     if causal:
-        lower = tf.expand_dims(tf.expand_dims(q_positions, -1) >= k_positions, 0)  # [1, *rows, lk]
+        lower = tf.expand_dims(q_positions, -1) >= k_positions
         allowed = lower if allowed is None else tf.logical_and(allowed, lower)
     if allowed is None:
         return None
-    return tf.expand_dims((1.0 - tf.cast(allowed, dtype)) * tf.constant(NEG, dtype), 1)
+    return (1.0 - tf.cast(allowed, dtype)) * tf.constant(NEG, dtype)
 
 
-def keep_mask(seed, shape, rate: float, block: tuple[int, int], dtype) -> tf.Tensor:
+def keep_mask(seed, shape, rate: float, block: tuple[int, int], dtype, zero=None) -> tf.Tensor:
     """The dropout scale of one block's probabilities: 0 where dropped, 1 / (1 - rate) where kept,
     drawn from `seed` ([2] int) and the pair's (query group, key block) indices.
 
     The draw is a counter-based hash of the seed, the block and each element's index in it
     (`_uniform`), not a random op: every device computes the values of the elements it holds,
     equal to one device's whatever the layout (DTensor seeds a sharded random op per device,
-    see tfpod.partitioning.random_layout), with no draw of a replicated whole."""
-    keep = _uniform(seed, shape, block) >= rate
+    see tfpod.partitioning.random_layout), with no draw of a replicated whole. `zero`: see `_after`."""
+    keep = _uniform(seed, shape, block, zero) >= rate
     return tf.cast(keep, dtype) * tf.cast(1.0 / (1.0 - rate), dtype)
 
 
@@ -238,7 +265,7 @@ def _fmix(x: tf.Tensor) -> tf.Tensor:
 _GOLDEN = 0x9E3779B9  # 2^32 / golden ratio: the Weyl step between consecutive counters
 
 
-def _uniform(seed, shape, block: tuple[int, int]) -> tf.Tensor:
+def _uniform(seed, shape, block: tuple[int, int], zero=None) -> tf.Tensor:
     """Float32 uniforms in [0, 1) of `shape` [batch, heads, rows, cols]: element (b, h, r, c) is
     a hash of (seed, block, b * heads + h, r * cols + c) (each index below 2^32)."""
     seed = tf.cast(seed, tf.int64)
@@ -251,6 +278,8 @@ def _uniform(seed, shape, block: tuple[int, int]) -> tf.Tensor:
     # (tf.reshape, not x[:, None]: a strided slice that adds an axis fails under DTensor)
     row = tf.reshape(tf.range(b), [-1, 1, 1, 1]) * h + tf.reshape(tf.range(h), [1, -1, 1, 1])  # [b, h, 1, 1]
     row_key = _fmix(tf.bitwise.bitwise_xor(key, _fmix(tf.cast(row, tf.uint32))))
+    if zero is not None:  # [b, h, 1]: drawn after the tensor it was read from
+        row_key = row_key + tf.cast(tf.expand_dims(zero, -1), tf.uint32)
     cell = tf.cast(tf.reshape(tf.range(rows), [-1, 1]), tf.uint32) * tf.cast(cols, tf.uint32) + \
         tf.cast(tf.reshape(tf.range(cols), [1, -1]), tf.uint32)  # [rows, cols]
     bits = _fmix(row_key + cell * tf.constant(_GOLDEN, tf.uint32))  # [b, h, rows, cols]
@@ -259,6 +288,19 @@ def _uniform(seed, shape, block: tuple[int, int]) -> tf.Tensor:
 
 
 QUERY_GROUPS = 4  # query rows are taken in at most this many groups (see `blockwise`)
+
+
+def _after(previous: tf.Tensor | None) -> tf.Tensor | None:
+    """An exact int32 zero [batch, heads, *rows[:-1], 1] read from `previous` ([batch, heads,
+    *rows, n]: the previous pair's running max, or in the gradient its probabilities): added
+    to a pair's queries, positions and segment ids (and dout), it makes the pair's scores wait
+    for the previous pair's, which can still overlap its last products. A control dependency
+    would not: DTensor's graph passes keep those only between ops with side effects, and the
+    executor then made every pair's scores and masks at once (a score matrix per head held).
+    Nothing moves between devices: each reads the zero from the rows of `previous` it holds."""
+    if previous is None:
+        return None
+    return tf.bitwise.bitwise_and(tf.cast(previous[..., :1, 0], tf.int32), 0)
 
 
 def _blocks(length: int, size: int) -> list[tuple[int, int]]:
@@ -331,37 +373,45 @@ def block_attention(q, k, v, split, merge, groups, k_segments, causal: bool, blo
         out_rank = 5 if "q" in out else 4  # (a key block's gradient sums over the chunks)
         return tf.einsum(f"{widen(x, a.shape.rank)},{widen(y, b.shape.rank)}->{widen(out, out_rank)}", a, b)
 
-    def scores(qg, g: Group, j: int, masked: bool):
+    def scores(qg, g: Group, j: int, masked: bool, zero):
+        """The pair's masked scores, made after `zero`'s tensor (`_after`); qg has it added."""
         ks, kn = k_blocks[j]
         s = tf.cast(contract("bhqd,bhkd->bhqk", qg, k[:, :, ks:ks + kn]) * tf.cast(scale, qg.dtype), tf.float32)
-        bias = mask_bias(g.segments, None if g.segments is None else k_segments[:, ks:ks + kn], g.positions,
-                         tf.range(ks, ks + kn) + k_offset, masked, tf.float32)
+        segments = k_segments_at = None
+        if g.segments is not None:  # [batch, *rows] -> [batch, heads, *rows] (with the zero); keys [batch, 1.., kn]
+            segments = tf.expand_dims(g.segments, 1) + (0 if zero is None else zero)
+            k_segments_at = _expand(k_segments[:, ks:ks + kn], 1, s.shape.rank - 2)
+        positions = g.positions if zero is None else g.positions + zero
+        bias = scores_bias(segments, k_segments_at, positions, tf.range(ks, ks + kn) + k_offset, masked, tf.float32)
         return s if bias is None else s + bias
 
-    def drop(p, gi, j):
-        return p if not dropout_rate else p * keep_mask(seed, tf.shape(p), dropout_rate, (gi, j), p.dtype)
+    def drop(p, gi, j, zero):
+        return p if not dropout_rate else p * keep_mask(seed, tf.shape(p), dropout_rate, (gi, j), p.dtype, zero)
+
+    def ordered(x, zero):  # x after the tensor `zero` was read from
+        return x if zero is None else x + tf.cast(tf.expand_dims(zero, -1), x.dtype)
 
     @tf.custom_gradient
     def core(q, k, v):
-        outs, stats, last = [], [], []
+        outs, stats, last = [], [], None
         for gi, (qg, g) in enumerate(zip(split(q), groups)):
             m = l = acc = None
             for j, masked in pairs(g):
                 ks, kn = k_blocks[j]
-                with tf.control_dependencies(last):
-                    s = scores(qg, g, j, masked)
-                    row_max = tf.reduce_max(s, axis=-1, keepdims=True)
-                    m_new = row_max if m is None else tf.maximum(m, row_max)
-                    p = tf.exp(s - m_new)
-                    pv = tf.cast(contract("bhqk,bhkd->bhqd", tf.cast(drop(p, gi, j), v.dtype), v[:, :, ks:ks + kn]),
-                                 tf.float32)
+                zero = _after(last)
+                s = scores(ordered(qg, zero), g, j, masked, zero)
+                row_max = tf.reduce_max(s, axis=-1, keepdims=True)
+                m_new = row_max if m is None else tf.maximum(m, row_max)
+                p = tf.exp(s - m_new)
+                pv = tf.cast(contract("bhqk,bhkd->bhqd", tf.cast(drop(p, gi, j, zero), v.dtype), v[:, :, ks:ks + kn]),
+                             tf.float32)
                 if m is None:
                     l, acc = tf.reduce_sum(p, axis=-1, keepdims=True), pv
                 else:
                     correction = tf.exp(m - m_new)
                     l = l * correction + tf.reduce_sum(p, axis=-1, keepdims=True)
                     acc = acc * correction + pv
-                m, last = m_new, [acc]
+                m, last = m_new, m_new  # (the next pair's scores may overlap this pair's exp and p v)
             if m is None:  # no key at all: zeros (cannot happen with positions from 0)
                 outs.append(tf.zeros_like(qg))
                 stats.append((tf.zeros_like(qg[..., :1], tf.float32), tf.ones_like(qg[..., :1], tf.float32)))
@@ -371,23 +421,25 @@ def block_attention(q, k, v, split, merge, groups, k_segments, causal: bool, blo
         out = merge(outs)
 
         def grad(d_out):
-            d_q, d_k, d_v, last = [], [None] * len(k_blocks), [None] * len(k_blocks), []
+            d_q, d_k, d_v = [], [None] * len(k_blocks), [None] * len(k_blocks)
             add = lambda acc, x: x if acc is None else acc + x
+            last = None
             for gi, (qg, do, o, (m, l), g) in enumerate(zip(split(q), split(d_out), outs, stats, groups)):
                 row = tf.reduce_sum(tf.cast(do, tf.float32) * tf.cast(o, tf.float32), axis=-1, keepdims=True)
                 dq = None
                 for j, masked in pairs(g):
                     ks, kn = k_blocks[j]
                     kj, vj = k[:, :, ks:ks + kn], v[:, :, ks:ks + kn]
-                    with tf.control_dependencies(last):  # (all of the pair: else dp is made early)
-                        p = tf.exp(scores(qg, g, j, masked) - m) / l
-                        keep = keep_mask(seed, tf.shape(p), dropout_rate, (gi, j), tf.float32) if dropout_rate else None
-                        d_v[j] = add(d_v[j], contract("bhqk,bhqd->bhkd", tf.cast(p if keep is None else p * keep, v.dtype), do))
-                        dp = tf.cast(contract("bhqd,bhkd->bhqk", do, vj), tf.float32)
-                        ds = tf.cast(p * ((dp if keep is None else dp * keep) - row), q.dtype) * tf.cast(scale, q.dtype)
-                        dq = add(dq, contract("bhqk,bhkd->bhqd", ds, kj))
-                        d_k[j] = add(d_k[j], contract("bhqk,bhqd->bhkd", ds, qg))
-                    last = [dq, d_k[j], d_v[j]]
+                    zero = _after(row if last is None else last)  # (the first pair: not before dout exists)
+                    q_at, do_at = ordered(qg, zero), ordered(do, zero)
+                    p = tf.exp(scores(q_at, g, j, masked, zero) - m) / l
+                    keep = keep_mask(seed, tf.shape(p), dropout_rate, (gi, j), tf.float32, zero) if dropout_rate else None
+                    d_v[j] = add(d_v[j], contract("bhqk,bhqd->bhkd", tf.cast(p if keep is None else p * keep, v.dtype), do_at))
+                    dp = tf.cast(contract("bhqd,bhkd->bhqk", do_at, vj), tf.float32)
+                    ds = tf.cast(p * ((dp if keep is None else dp * keep) - row), q.dtype) * tf.cast(scale, q.dtype)
+                    dq = add(dq, contract("bhqk,bhkd->bhqd", ds, kj))
+                    d_k[j] = add(d_k[j], contract("bhqk,bhqd->bhkd", ds, q_at))
+                    last = p
                 d_q.append(tf.zeros_like(qg) if dq is None else dq)
             fill = lambda parts, like: tf.concat(
                 [x if x is not None else tf.zeros_like(like[:, :, s:s + n]) for x, (s, n) in zip(parts, k_blocks)], axis=2)
@@ -445,9 +497,10 @@ def context_attention(q, k, v, segments, causal: bool, chunks: int, block_size: 
     n = length // (2 * chunks)
     halves = lambda x, lead: tf.reshape(x, lead + [chunks, 2, n] + x.shape.as_list()[len(lead) + 1:])
     index = halves(shard(tf.constant(partitioning_context.zigzag(length, chunks), tf.int32), ("length",)), [])
-    q_segments = halves(segments, [b])  # [batch, C, 2, n]
-    groups = [Group(index[:, 0], q_segments[:, :, 0], 0, length // 2),  # chunk c < C
-              Group(index[:, 1], q_segments[:, :, 1], length // 2, length)]  # chunk 2C-1-c >= C
+    q_segments = None if segments is None else halves(segments, [b])  # [batch, C, 2, n]
+    half = lambda i: None if q_segments is None else q_segments[:, :, i]
+    groups = [Group(index[:, 0], half(0), 0, length // 2),  # chunk c < C
+              Group(index[:, 1], half(1), length // 2, length)]  # chunk 2C-1-c >= C
     split = lambda x: [halves(x, [b, h])[:, :, :, i] for i in (0, 1)]  # [batch, heads, C, n, d] each
     merge = lambda parts: tf.reshape(tf.stack(parts, axis=3), [b, h, length, d])
 
@@ -460,7 +513,8 @@ def context_attention(q, k, v, segments, causal: bool, chunks: int, block_size: 
                           + x.shape.as_list()[axis + 3:])
 
     k, v = in_order(k, ("batch", "heads")), in_order(v, ("batch", "heads"))
-    return block_attention(q, k, v, split, merge, groups, in_order(segments, ("batch",)), causal, block_size)
+    k_segments = None if segments is None else in_order(segments, ("batch",))
+    return block_attention(q, k, v, split, merge, groups, k_segments, causal, block_size)
 
 
 def materialized(q, k, v, q_segments=None, k_segments=None, causal: bool = False, keep=None,
