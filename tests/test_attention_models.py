@@ -81,7 +81,7 @@ def test_cross_attention_with_key_padding_and_dropout_equals_the_materialized_ma
     assert 0.2 < dropped < 0.3  # the hash draws uniforms
 
 
-GPT = gpt.GPTConfig(vocab_size=256, seq_len=32, num_layers=2, embed_dim=32, num_heads=4, mlp_dim=64, dropout=0.0,
+GPT = gpt.GPTConfig(vocab_size=256, seq_len=32, num_layers=1, embed_dim=32, num_heads=4, mlp_dim=64, dropout=0.0,
                     attention_dropout=0.2)
 
 

@@ -15,9 +15,9 @@ from tfpod import UserError
 from tfpod.api import run
 from tfpod.partitioning import context
 
-LONG = ["gpt.seq_len=4096", "gpt.embed_dim=16", "gpt.num_heads=2", "gpt.mlp_dim=32", "train.global_batch_size=8",
+LONG = ["gpt.seq_len=4096", "gpt.num_layers=1", "gpt.embed_dim=16", "gpt.num_heads=2", "gpt.mlp_dim=32", "train.global_batch_size=8",
         "train.steps=2", "train.log_every=1", "train.steps_per_loop=1", "train.checkpoint_every=100",
-        "lm_data.packing='segments'", "attention.block_size=512"]
+        "lm_data.packing='segments'", "attention.block_size=1024"]
 SHORT = ["gpt.seq_len=256", "train.global_batch_size=8", "train.log_every=1", "train.steps_per_loop=1",
          "lm_data.packing='segments'", "attention.block_size=32"]
 
@@ -32,7 +32,7 @@ def test_the_balanced_order_gives_each_device_a_chunk_from_each_end():
 
 
 def test_context_meshes_give_data_parallel_losses_at_4096_tokens(tmp_path):
-    """A small GPT at 4,096 tokens with packed documents (segments crossing the chunks'
+    """A 1-layer GPT at 4,096 tokens with packed documents (segments crossing the chunks'
     boundaries) trains data:8's losses (relative 1e-5, fp32) on `context:4,data:2` with
     recomputation and 2 microbatches, and on `context:2,model:2,data:2` with the `2d` preset
     (Megatron's heads and MLP over `model`, weights' embed dimension over `data`)."""
@@ -48,12 +48,13 @@ def test_context_meshes_give_data_parallel_losses_at_4096_tokens(tmp_path):
 
 
 def test_checkpoints_move_between_meshes_with_and_without_context_and_resume_exactly(tmp_path):
-    """GPT at 256 tokens, packed: 4 steps on data:8; 2 steps on context:4,data:2 resumed for 2
+    """A 1-layer GPT at 256 tokens, packed: 4 steps on data:8; 2 steps on context:4,data:2 resumed for 2
     on data:8, and 2 on data:8 resumed on context:2,model:2,data:2 (tensor), give its losses
     (relative 1e-5); 2 steps on context:4,data:2 resumed there give the uninterrupted context
     run's losses exactly."""
     def train(name, spec, steps, preset="data"):
-        params = SHORT + [f"train.steps={steps}", "train.checkpoint_every=2", f"sharding.preset='{preset}'"]
+        params = SHORT + [f"train.steps={steps}", "train.checkpoint_every=2", f"sharding.preset='{preset}'",
+                          "gpt.num_layers=1"]
         return run(["gin/lm_tiny.gin"], params, str(tmp_path / name), mesh_spec=spec)["losses"]
 
     whole = train("whole", "data:8", 4)
@@ -68,12 +69,12 @@ def test_checkpoints_move_between_meshes_with_and_without_context_and_resume_exa
 
 
 def test_llama_and_pipeline_stages_under_context(tmp_path):
-    """Llama (rotary positions, grouped-query attention) on context:2,model:2,data:2 (tensor),
+    """A 1-layer Llama (rotary positions, grouped-query attention) on context:2,model:2,data:2 (tensor),
     and GPT in 2 pipeline stages of context:2,data:2: data:8's losses (relative 1e-5)."""
     def losses(name, gin, spec, *params):
         p = SHORT + ["train.steps=2", "train.checkpoint_every=100", *params]
         if gin == "gin/llama_tiny.gin":
-            p = [x.replace("gpt.", "llama.") for x in p]
+            p = [x.replace("gpt.", "llama.") for x in p] + ["llama.num_layers=1"]
         return run([gin], p, str(tmp_path / name), mesh_spec=spec)["losses"]
 
     llama = losses("llama", "gin/llama_tiny.gin", "data:8")

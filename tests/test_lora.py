@@ -166,7 +166,8 @@ def test_lora_from_a_base_run_resumes_exactly_refuses_another_base_and_exports_m
     losses and weights; resuming its adapters with another train.init_from is refused in one line with
     nothing written; the merged SavedModel gives the unmerged model's logits (1e-5), and so does
     the Hugging Face folder of merged weights in transformers (1e-4)."""
-    common = ["--gin_file=gin/lm_tiny.gin", "--cpu_devices=1", "--mesh=data:1", "--gin_param=train.steps_per_loop=2",
+    common = ["--gin_file=gin/lm_tiny.gin", "--cpu_devices=1", "--mesh=data:1", "--gin_param=gpt.num_layers=1",
+              "--gin_param=train.steps_per_loop=2",
               "--gin_param=train.log_every=2", "--gin_param=train.checkpoint_every=2",
               "--gin_param=optimizer.warmup_steps=0", "--gin_param=optimizer.decay_steps=12"]
     base = tmp_path / "base"
