@@ -63,6 +63,13 @@ def _launch(d, shm, steps, max_restarts=0, fault=None):
     return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
 
 
+# host 0 sleeps 0.5 s before steps 7 and 8, so host 1's copy of its step-6 snapshot (sent in a background
+# thread while training goes on) has reached host 0 before host 0's kill before step 9: under a loaded CI
+# machine the copy once lagged 3 steps and was caught half written (a fall back to an older step, which
+# the test would not see as the step-6 resume it checks)
+FAULTS = "slow@7:0=0.5,kill@9:0,kill@17:0"
+
+
 def test_every_process_killed_between_storage_checkpoints_resumes_from_memory_and_a_lost_snapshot_from_its_peer(
         tmp_path):
     """2 hosts x 4 devices (data:2,model:4) reading the lm_tiny corpus; storage checkpoints every
@@ -82,7 +89,7 @@ def test_every_process_killed_between_storage_checkpoints_resumes_from_memory_an
     assert reference.returncode == 0, reference.stderr[-3000:]
 
     d = tmp_path / "run"
-    killed = _launch(d, shm, 20, fault="kill@9:0,kill@17:0")
+    killed = _launch(d, shm, 20, fault=FAULTS)
     assert killed.returncode != 0 and "killed by SIGKILL" in killed.stderr, killed.stderr[-3000:]
     assert "in-memory snapshot of step 6" in killed.stdout
     (run_folder,) = shm.iterdir()
@@ -90,7 +97,7 @@ def test_every_process_killed_between_storage_checkpoints_resumes_from_memory_an
     assert sorted(p.name for p in (run_folder / "host0" / "copies" / "host1").iterdir()) == ["step-6"]
     shutil.rmtree(run_folder / "host1" / "own")
 
-    rerun = _launch(d, shm, 20, max_restarts=1, fault="kill@9:0,kill@17:0")
+    rerun = _launch(d, shm, 20, max_restarts=1, fault=FAULTS)
     out = rerun.stdout
     assert rerun.returncode == 0, (out + rerun.stderr)[-3000:]
     assert out.count("resumed from the in-memory snapshot of step 6 (this host's own") == 1  # host 0
