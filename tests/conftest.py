@@ -45,7 +45,8 @@ def pytest_configure(config):
 # `-n 2 --dist loadfile` a worker takes the next file when it is almost done with its own,
 # in collection order; started first, the long files leave short ones to even out the end
 # (xdist's own order, by number of tests, left a long file running alone at the end).
-SLOWEST_FIRST = ["test_pipeline", "test_context", "test_reliability", "test_attention_models", "test_ssd", "test_run_folder", "test_async_checkpoint",
+SLOWEST_FIRST = ["test_pipeline", "test_context", "test_reliability", "test_attention_models", "test_ssd",
+                 "test_run_folder", "test_async_checkpoint",
                  "test_convert", "test_keras", "test_multihost", "test_input", "test_export", "test_lora", "test_bert",
                  "test_train", "test_eval", "test_plan", "test_resnet", "test_keras_layers", "test_presets",
                  "test_generation", "test_moe", "test_main", "test_transformer", "test_sharding", "test_text",

@@ -57,9 +57,9 @@ def _score_matmuls_first_in_line(graph_def, rows: int, block: int) -> list[str]:
     other such matmul comes before along data edges (control edges are left out: DTensor's
     graph passes drop those between stateless ops)."""
     nodes = {n.name: n for n in graph_def.node}
-    shape = lambda n: [d.size for d in n.attr["_output_shapes"].list.shape[0].dim] if "_output_shapes" in n.attr else None
+    shape = lambda n: [d.size for d in n.attr["_output_shapes"].list.shape[0].dim]
     big = {n.name for n in graph_def.node if n.op in ("BatchMatMulV2", "MatMul", "Einsum")
-           and (shape(n) or [None, None])[-2:] == [rows, block]}
+           and "_output_shapes" in n.attr and shape(n)[-2:] == [rows, block]}
     memo = {}
 
     def after_big(name):  # does some big matmul come before `name` along data edges?

@@ -15,7 +15,8 @@ from tfpod import UserError
 from tfpod.api import run
 from tfpod.partitioning import context
 
-LONG = ["gpt.seq_len=4096", "gpt.num_layers=1", "gpt.embed_dim=16", "gpt.num_heads=2", "gpt.mlp_dim=32", "train.global_batch_size=8",
+LONG = ["gpt.seq_len=4096", "gpt.num_layers=1", "gpt.embed_dim=16", "gpt.num_heads=2", "gpt.mlp_dim=32",
+        "train.global_batch_size=8",
         "train.steps=2", "train.log_every=1", "train.steps_per_loop=1", "train.checkpoint_every=100",
         "lm_data.packing='segments'", "attention.block_size=1024"]
 SHORT = ["gpt.seq_len=256", "train.global_batch_size=8", "train.log_every=1", "train.steps_per_loop=1",

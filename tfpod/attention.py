@@ -377,11 +377,12 @@ def block_attention(q, k, v, split, merge, groups, k_segments, causal: bool, blo
         """The pair's masked scores, made after `zero`'s tensor (`_after`); qg has it added."""
         ks, kn = k_blocks[j]
         s = tf.cast(contract("bhqd,bhkd->bhqk", qg, k[:, :, ks:ks + kn]) * tf.cast(scale, qg.dtype), tf.float32)
+        at = lambda x: x if zero is None else x + zero  # (-> [batch, heads, *rows])
         segments = k_segments_at = None
-        if g.segments is not None:  # [batch, *rows] -> [batch, heads, *rows] (with the zero); keys [batch, 1.., kn]
-            segments = tf.expand_dims(g.segments, 1) + (0 if zero is None else zero)
+        if g.segments is not None:  # queries' [batch, 1, *rows]; keys' [batch, 1.., kn]
+            segments = at(tf.expand_dims(g.segments, 1))
             k_segments_at = _expand(k_segments[:, ks:ks + kn], 1, s.shape.rank - 2)
-        positions = g.positions if zero is None else g.positions + zero
+        positions = at(g.positions)
         bias = scores_bias(segments, k_segments_at, positions, tf.range(ks, ks + kn) + k_offset, masked, tf.float32)
         return s if bias is None else s + bias
 
@@ -433,8 +434,11 @@ def block_attention(q, k, v, split, merge, groups, k_segments, causal: bool, blo
                     zero = _after(row if last is None else last)  # (the first pair: not before dout exists)
                     q_at, do_at = ordered(qg, zero), ordered(do, zero)
                     p = tf.exp(scores(q_at, g, j, masked, zero) - m) / l
-                    keep = keep_mask(seed, tf.shape(p), dropout_rate, (gi, j), tf.float32, zero) if dropout_rate else None
-                    d_v[j] = add(d_v[j], contract("bhqk,bhqd->bhkd", tf.cast(p if keep is None else p * keep, v.dtype), do_at))
+                    keep = None
+                    if dropout_rate:
+                        keep = keep_mask(seed, tf.shape(p), dropout_rate, (gi, j), tf.float32, zero)
+                    p_kept = p if keep is None else p * keep
+                    d_v[j] = add(d_v[j], contract("bhqk,bhqd->bhkd", tf.cast(p_kept, v.dtype), do_at))
                     dp = tf.cast(contract("bhqd,bhkd->bhqk", do_at, vj), tf.float32)
                     ds = tf.cast(p * ((dp if keep is None else dp * keep) - row), q.dtype) * tf.cast(scale, q.dtype)
                     dq = add(dq, contract("bhqk,bhkd->bhqd", ds, kj))
