@@ -28,7 +28,7 @@ from official.modeling.optimization import lamb, lars, legacy_adamw, lr_schedule
 from tfpod import UserError, compat, fused, partitioning
 from tfpod.partitioning import stages
 
-OPTIMIZERS = ("adamw", "lamb", "lars", "sgd")
+OPTIMIZERS = ("adamw", "lamb", "lars", "sgd", "adagrad")
 DECAYS = ("cosine", "linear", "polynomial", "rsqrt", "piecewise", "constant")
 
 
@@ -37,7 +37,9 @@ class OptimizerConfig:
     """Optimizer and schedule. Attributes map 1:1 to gin `optimizer.<name>`.
 
     Attributes:
-      name: adamw (Model Garden AdamWeightDecay), lamb, lars, or sgd (momentum).
+      name: adamw (Model Garden AdamWeightDecay), lamb, lars, sgd (momentum), or adagrad
+        (tf_keras's; MLPerf DLRM's optimizer; embedding tables update sparsely with any of
+        sgd, adagrad and adamw, tfpod.embedding).
       learning_rate: peak learning rate, reached at the end of warmup.
       warmup_steps: linear warmup from 0 (Model Garden LinearWarmup).
       decay: schedule after warmup: cosine, linear, polynomial, rsqrt (learning_rate *
@@ -55,6 +57,7 @@ class OptimizerConfig:
       momentum: lars/sgd momentum.
       exclude_from_weight_decay: variable-name substrings with no weight decay.
       clip_norm: global gradient-norm clipping (0 or None: off).
+      initial_accumulator: adagrad's initial accumulator value (tf_keras: 0.1; PyTorch: 0).
     """
 
     name: str = "adamw"
@@ -73,6 +76,7 @@ class OptimizerConfig:
     momentum: float = 0.9
     exclude_from_weight_decay: Sequence[str] = ("layer_norm", "final_norm", "bias", "embeddings")
     clip_norm: float | None = 1.0
+    initial_accumulator: float = 0.1
 
     def __post_init__(self):
         if self.name not in OPTIMIZERS:
@@ -83,8 +87,8 @@ class OptimizerConfig:
             raise UserError(f"optimizer.learning_rate={self.learning_rate} must be positive")
         if self.warmup_steps < 0:
             raise UserError(f"optimizer.warmup_steps={self.warmup_steps} must be >= 0")
-        if self.name == "sgd" and self.weight_decay:
-            raise UserError(f"optimizer.weight_decay={self.weight_decay}: optimizer.name='sgd' applies no weight "
+        if self.name in ("sgd", "adagrad") and self.weight_decay:
+            raise UserError(f"optimizer.weight_decay={self.weight_decay}: optimizer.name={self.name!r} applies no weight "
                             "decay; set optimizer.weight_decay=0 (an L2 term belongs in the model's loss, e.g. "
                             "ssd.weight_decay) or use lars or adamw")
         bounds, ratios = list(self.piecewise_boundaries), list(self.piecewise_ratios)
@@ -216,6 +220,9 @@ def build_optimizer(cfg: OptimizerConfig, total_steps: int, fused_update: bool =
             exclude_from_layer_adaptation=exclude,
             name="LARS",
         )
+    if cfg.name == "adagrad":
+        return tf_keras.optimizers.legacy.Adagrad(learning_rate=lr, initial_accumulator_value=cfg.initial_accumulator,
+                                                  epsilon=cfg.epsilon)
     return tf_keras.optimizers.legacy.SGD(learning_rate=lr, momentum=cfg.momentum)
 
 
@@ -362,12 +369,14 @@ class Update:
         self.apply_on_stages(grads, homes, finite, placement)
         return loss, norm
 
-    def apply(self, grads: Sequence[tf.Tensor]):
-        """One optimizer step (inside the compiled train step)."""
-        applied = self.optimizer.apply_gradients(self._pairs(grads, range(len(self.variables))))
+    def apply(self, grads: Sequence[tf.Tensor], indices: Sequence[int] | None = None):
+        """One optimizer step (inside the compiled train step), of the variables at `indices`
+        (None: all; tfpod.embedding's step leaves the tables out: their rows update sparsely)."""
+        indices = range(len(self.variables)) if indices is None else indices
+        applied = self.optimizer.apply_gradients(self._pairs(grads, indices))
         # (runtime.initialize turns off DTensor's all-reduce combining, which reordered this)
         with tf.control_dependencies([applied]):
-            self._write_back(range(len(self.variables)))
+            self._write_back(indices)
 
     def _pairs(self, grads: Sequence[tf.Tensor], indices) -> list:
         # Each gradient is put in its variable's (or working copy's) layout first: a

@@ -22,7 +22,7 @@ import numpy as np
 import tensorflow as tf
 import tf_keras
 
-from tfpod import compat, evaluation, optimizers, partitioning, pipeline, runtime
+from tfpod import compat, embedding, evaluation, optimizers, partitioning, pipeline, runtime
 from tfpod.partitioning import Placement
 from tfpod.precision import precision_policy
 from tfpod.task import EvalContext, LossTerms, Task
@@ -52,7 +52,8 @@ def accumulate(model, task: Task, microbatches: int = 1):
         with partitioning.gathered_weights(), partitioning.microbatch(index):
             with tf.GradientTape() as tape:
                 loss = task.loss_terms(model, batch, True).loss(counts, m)
-            return loss, [tf.convert_to_tensor(g) for g in tape.gradient(loss, variables)]  # IndexedSlices -> dense
+            # IndexedSlices -> dense; an embedding table's stay rows (tfpod.embedding, issue 66)
+            return loss, embedding.with_rows(variables, tape.gradient(loss, variables))
 
     def loss_and_gradients(batch):
         if m == 1:
@@ -184,6 +185,15 @@ class Trainer:
             executor, homes = self.pipeline.loss_and_gradients, self.pipeline.homes
         else:
             executor, homes = accumulate(self.model, task, microbatches), None
+        # --- tfpod.embedding (issue 66): a model with embedding tables trains through their sparse path
+        self.tables = None
+        if embedding.find_layers(self.model):
+            embedding.training.check_supported(self.update, placement, microbatches)
+            self.tables = embedding.Tables(self.model, placement, task.batch_axes(), self.optimizer)
+            self._loop = embedding.make_train_loop(executor, self.update, optimizer_config.clip_norm, steps_per_loop,
+                                                   placement, self.tables, task.batch_axes())
+            return
+        # ---
         self._loop = make_train_loop(executor, self.update, optimizer_config.clip_norm, steps_per_loop, placement,
                                      microbatches, homes)
 
@@ -208,6 +218,8 @@ class Trainer:
           (losses, gradient norms) of the steps, as host arrays [num_steps].
         """
         axes = self.task.batch_axes()
+        if self.tables:  # tfpod.embedding (issue 66): lookups and sparse updates between the steps
+            return self._loop(host_stack, num_steps)
         if self.pipeline:
             steps = [self.pipeline.to_stages({k: v[n] for k, v in host_stack.items()}, axes) for n in range(num_steps)]
             losses, norms = self._loop(steps, num_steps)
@@ -229,8 +241,10 @@ class Trainer:
         if self.pipeline:
             return evaluation.make_eval_step(self.pipeline.forward, task.eval_metric, lambda b: b,
                                              metric_batch=lambda b: b[-1])
-        return evaluation.make_eval_step(lambda x: self.model(x, training=False), task.eval_metric,
-                                         task.model_inputs)
+        forward, model_inputs = lambda x: self.model(x, training=False), task.model_inputs
+        if self.tables:  # tfpod.embedding (issue 66): the batch carries the tables' partial lookups
+            forward, model_inputs = embedding.training.eval_forward(forward, model_inputs, self.tables)
+        return evaluation.make_eval_step(forward, task.eval_metric, model_inputs)
 
     def evaluate(self, host_batches: Sequence[Mapping[str, np.ndarray]], host_rows: int) -> dict:
         """One pass over this host's eval batches on the mesh: the task's metrics.
@@ -244,6 +258,8 @@ class Trainer:
         to_device = lambda b: self.placement.to_global(b, task.batch_axes())
         if self.pipeline:
             to_device = lambda b: self.pipeline.to_device(b, task.batch_axes())
+        if self.tables:  # tfpod.embedding (issue 66)
+            to_device = embedding.training.eval_to_device(self.tables, self.placement, task.batch_axes())
         info = runtime.info()
         context = EvalContext(self.model, self.model_config, self.placement, host_rows, info.client_id,
                               info.num_clients, self.data_config)

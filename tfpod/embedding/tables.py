@@ -1,0 +1,247 @@
+"""A model's embedding tables on the mesh: lookups and sparse updates on the devices that hold their shards.
+
+A table is a DVariable [rows, width] laid out by the rules like any weight: rows split
+over a mesh axis (row-wise), columns split (column-wise, for wide tables), both, or
+neither (replicated). DTensor has no sparse op on a split variable ("ResourceGather:
+DTensor does not support sharded 0th dimension", "ResourceScatterAdd does not implement
+layout propagation"), and its functional scatter gathers the whole table to every
+device. So the table's shards are reached directly: `dtensor.unpack` of the
+DVariable's resource handle gives each local device's own shard as an ordinary
+resource, and ordinary TensorFlow functions run on them, one op group per device:
+
+  lookup   before a step: every device gathers, from its own shard, the rows of the
+           step's ids that fall in its rows (the global batch's ids, the same on every
+           device) and sums each example's (EmbeddingBag); the results are packed into
+           a DTensor [row shards, batch, (hot,) width] that the step sums over the row
+           shards (tfpod.embedding.layer): the table's row axis reduces the partial
+           lookups, and each device's work follows the ids, not the rows.
+  apply    after a step: the step returns each table's gradient rows, de-duplicated
+           and clipped (tfpod.embedding.training), replicated; every device updates the
+           rows of its shard among them, and their optimizer slots, in place
+           (tfpod.embedding.sparse).
+
+Traffic per step and table (B examples, H ids each, width W, S row shards): the ids to
+every device (B*H ints, an all-gather across hosts), the partial sums B*W per device
+reduced over the S shards, the gradient rows B*H*W gathered to every device; memory
+and time per device follow B*H, not the table's rows. Checkpoints, the layout report
+and export see the table as the ordinary weight it is.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Mapping, Sequence
+
+import numpy as np
+import tensorflow as tf
+from tensorflow.experimental import dtensor
+
+from tfpod import UserError, compat, runtime
+from tfpod.embedding import layer as layer_lib
+from tfpod.embedding.sparse import SparseRule, rule_for, sparse_apply
+from tfpod.partitioning.rules import layout_for
+
+
+@dataclasses.dataclass(frozen=True)
+class Shard:
+    """One local device's piece of a table: rows [lo, hi), columns [col_lo, col_hi)."""
+
+    device: str
+    handle: tf.Tensor
+    slots: tuple
+    lo: int
+    hi: int
+    col_lo: int
+    col_hi: int
+
+
+@dataclasses.dataclass
+class Table:
+    """An Embedding layer's table on the mesh, and its shards on this host's devices."""
+
+    layer: layer_lib.Embedding
+    variable: object
+    rule: SparseRule | None
+    row_axis: str | None
+    col_axis: str | None
+    shards: list
+    pooled: bool | None = None  # a combiner, or one id per example (set at the first lookup)
+
+    @property
+    def name(self) -> str:
+        return self.layer.name
+
+    def partial_layout(self, rank: int, mesh) -> dtensor.Layout:
+        """The layout of the partial lookups [row shards, batch, (hot,) width]."""
+        specs = [self.row_axis or dtensor.UNSHARDED] + [dtensor.UNSHARDED] * (rank - 2)
+        return dtensor.Layout(specs + [self.col_axis or dtensor.UNSHARDED], mesh)
+
+
+def find_layers(model) -> list:
+    """The model's tfpod Embedding layers, each once, in tf_keras's traversal order."""
+    seen, out = set(), []
+    for layer in compat.flatten_layers(model):
+        if isinstance(layer, layer_lib.Embedding) and id(layer) not in seen:
+            seen.add(id(layer))
+            out.append(layer)
+    return out
+
+
+def _shards(variable, slots: Sequence, mesh) -> tuple[str | None, str | None, list]:
+    inner = compat.inner_variable(variable)
+    layout = dtensor.fetch_layout(inner)
+    row_axis, col_axis = [None if s == dtensor.UNSHARDED else s for s in layout.sharding_specs]
+    rows, width = inner.shape.as_list()
+    per_rows = rows // (mesh.dim_size(row_axis) if row_axis else 1)
+    per_cols = width // (mesh.dim_size(col_axis) if col_axis else 1)
+    handles = dtensor.unpack(inner.handle)
+    slot_handles = [dtensor.unpack(compat.inner_variable(s).handle) for s in slots]
+    shards = []
+    for k, (device, loc) in enumerate(zip(mesh.local_devices(), mesh.local_device_locations())):
+        r = loc[row_axis] if row_axis else 0
+        c = loc[col_axis] if col_axis else 0
+        shards.append(Shard(device, handles[k], tuple(h[k] for h in slot_handles), r * per_rows, (r + 1) * per_rows,
+                            c * per_cols, (c + 1) * per_cols))
+    return row_axis, col_axis, shards
+
+
+def _shard_lookup(shard: Shard, ids: tf.Tensor, dtype, pooled: bool) -> tf.Tensor:
+    """One device's partial lookup: ids [batch, hot] -> [1, batch, width] (pooled) or
+    [1, batch, hot, width], from the rows its shard holds (zero elsewhere)."""
+    batch, hot = tf.shape(ids)[0], tf.shape(ids)[1]
+    flat = tf.reshape(ids, [-1])  # [batch * hot]
+    owned = (flat >= shard.lo) & (flat < shard.hi)
+    where = tf.cast(tf.where(owned)[:, 0], tf.int32)  # positions of the ids this shard holds
+    local = tf.cast(tf.gather(flat, where), tf.int32) - shard.lo
+    rows = tf.raw_ops.ResourceGather(resource=shard.handle, indices=local, dtype=dtype)  # [m, width]
+    width = shard.col_hi - shard.col_lo
+    rows = tf.ensure_shape(rows, [None, width])
+    if pooled:
+        return tf.math.unsorted_segment_sum(rows, where // hot, batch)[None]  # [1, batch, width]
+    out = tf.scatter_nd(where[:, None], rows, tf.stack([batch * hot, width]))
+    return tf.reshape(out, tf.stack([1, batch, hot, width]))
+
+
+class Tables:
+    """A built, placed model's embedding tables: the host-side lookups and sparse updates.
+
+    Args:
+      model: the model (its Embedding layers' tables are DVariables).
+      placement: the run's placement (mesh, rules table).
+      feature_axes: {feature: logical axes} of the batch (the ids' features among them).
+      optimizer: the optimizer whose slots the tables' sparse updates use (None: lookups only).
+    """
+
+    def __init__(self, model, placement, feature_axes: Mapping[str, Sequence], optimizer=None):
+        self.placement, self.mesh = placement, placement.mesh
+        self.feature_axes = dict(feature_axes)
+        self.tables: list[Table] = []
+        for layer in find_layers(model):
+            if layer.source is None:
+                raise UserError(f"embedding {layer.name}: no `source` (the batch feature holding its ids); the model "
+                                "must name it for the sharded lookup")
+            variable = layer.embeddings
+            rule, slots = None, ()
+            if optimizer is not None:
+                rule = rule_for(optimizer, variable)
+                slots = tuple(optimizer.get_slot(variable, name) for name in rule.slots)
+            row_axis, col_axis, shards = _shards(variable, slots, self.mesh)
+            self.tables.append(Table(layer, variable, rule, row_axis, col_axis, shards))
+        self._lookup = tf.function(self._lookup_all)
+        self._apply = tf.function(self._apply_all)
+        self._spread = None
+
+    def __bool__(self) -> bool:
+        return bool(self.tables)
+
+    def variables(self) -> dict:
+        """{id of a table's DVariable: id of its layer}."""
+        return {id(compat.inner_variable(t.variable)): id(t.layer) for t in self.tables}
+
+    # -- lookups --------------------------------------------------------------
+
+    def global_ids(self, host_batch: Mapping[str, np.ndarray]) -> list:
+        """Each table's ids for the whole global batch, [batch, hot] (a collective across hosts)."""
+        features = sorted({t.layer.source for t in self.tables})
+        for f in features:
+            if f not in host_batch:
+                raise UserError(f"embedding tables: the batch has no feature {f!r} (a table's `source`); it has "
+                                f"{', '.join(sorted(host_batch))}")
+        if runtime.info().num_clients == 1:
+            found = {f: np.asarray(host_batch[f]) for f in features}
+        else:  # the other hosts' rows: relaid out replicated on the mesh, read on this host's first device
+            if self._spread is None:
+                layouts = {f: dtensor.Layout.replicated(self.mesh, len(self.feature_axes[f])) for f in features}
+                self._spread = tf.function(lambda b: {f: dtensor.relayout(b[f], layouts[f]) for f in features})
+            spread = self._spread(self.placement.to_global({f: host_batch[f] for f in features}, self.feature_axes))
+            found = {f: dtensor.unpack(v)[0] for f, v in spread.items()}
+        out = []
+        for t in self.tables:
+            ids = found[t.layer.source]
+            pooled = t.layer.combiner is not None or len(ids.shape) == 1
+            if t.pooled is not None and t.pooled != pooled:
+                raise UserError(f"embedding {t.name}: its ids changed rank between steps ({t.layer.source!r})")
+            t.pooled = pooled
+            out.append(tf.reshape(ids, [-1, 1]) if len(ids.shape) == 1 else ids)
+        return out
+
+    def _lookup_all(self, ids_list):
+        out = []
+        for table, ids in zip(self.tables, ids_list):
+            parts = []
+            for shard in table.shards:
+                with tf.device(shard.device):
+                    parts.append(_shard_lookup(shard, ids, table.variable.dtype, table.pooled))
+            out.append(parts)
+        return out
+
+    def lookup(self, host_batch: Mapping[str, np.ndarray]) -> dict:
+        """The partial lookups of every table for this step's batch, as DTensors
+        {table name: [row shards, batch, (hot,) width]} for `scope`."""
+        ids_list = self.global_ids(host_batch)
+        parts = self._lookup(ids_list)
+        out = {}
+        for table, pieces in zip(self.tables, parts):
+            out[table.name] = dtensor.pack(pieces, table.partial_layout(len(pieces[0].shape), self.mesh))
+        return out
+
+    def scope(self, partials: Mapping[str, tf.Tensor]) -> layer_lib.LookupScope:
+        """The lookup scope a step's trace enters with these partial lookups (DTensors)."""
+        table = self.placement.table
+        scope = layer_lib.LookupScope(
+            {id(t.layer): partials[t.name] for t in self.tables},
+            {id(t.layer): layout_for(("batch",) + (None,) * (len(partials[t.name].shape) - 2), table, self.mesh)
+             for t in self.tables})
+        scope.table_layers.update(self.variables())
+        return scope
+
+    # -- sparse updates ---------------------------------------------------------
+
+    def _apply_all(self, ids_list, rows_list, hyper_list):
+        ops = []
+        for k in range(len(self.mesh.local_devices())):
+            hyper = hyper_list[k]
+            lr, finite, step = hyper[0], hyper[1] > 0, hyper[2]
+            for table, ids, rows in zip(self.tables, ids_list, rows_list):
+                shard = table.shards[k]
+                with tf.device(shard.device):
+                    mine = (ids[k] >= shard.lo) & (ids[k] < shard.hi) & finite
+                    local = tf.boolean_mask(ids[k], mine) - shard.lo
+                    grads = tf.boolean_mask(rows[k][:, shard.col_lo:shard.col_hi], mine)
+                    applied = sparse_apply(table.rule, shard.handle, shard.slots, local, grads, lr, step)
+                    with tf.control_dependencies([applied]):
+                        # the sparse kernels put the shard in copy-on-read mode, where every read of
+                        # the table (the step's, a checkpoint's) would copy it: back to sharing
+                        ops.append(tf.raw_ops.DisableCopyOnRead(resource=shard.handle))
+        tf.group(ops)
+
+    def apply(self, rows: Sequence[tuple], hyper: tf.Tensor) -> None:
+        """Applies a step's gradient rows to the shards on this host's devices, in place.
+
+        Args:
+          rows: per table, (ids [n], values [n, width]) de-duplicated and clipped, replicated DTensors.
+          hyper: [learning rate, 1 if the step was finite else 0, step from 1], a replicated DTensor.
+        """
+        ids_list = [dtensor.unpack(i) for i, _ in rows]
+        rows_list = [dtensor.unpack(v) for _, v in rows]
+        self._apply(ids_list, rows_list, dtensor.unpack(hyper))
