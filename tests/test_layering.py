@@ -28,7 +28,7 @@ LAYERS = [
     {"task contract": ("tfpod.task", "tfpod.lora")},
     {"input": ("tfpod.input",)},
     {"partitioning and the runtime": ("tfpod.partitioning", "tfpod.optimizers", "tfpod.fused", "tfpod.attention", "tfpod.attention_layers", "tfpod.mesh",
-                                      "tfpod.embedding",
+                                      "tfpod.embedding", "tfpod.auc",
                                       "tfpod.runtime", "tfpod.measured", "tfpod.flops")},
     {"leaves": ("tfpod.compat", "tfpod.console", "tfpod.preemption", "tfpod.run_folder", "tfpod.cluster",
                 "tfpod.evaluation", "tfpod.precision", "tfpod.plan.profile", "tfpod.pipeline.schedules")},

@@ -25,11 +25,20 @@ from tensorflow.experimental import dtensor
 
 @dataclasses.dataclass(frozen=True)
 class Metric:
-    """update(outputs, batch) -> {sum name: scalar}; result(sums) -> {metric name: float}."""
+    """update(outputs, batch) -> {sum name: scalar}; result(sums) -> {metric name: float}.
+
+    A metric that is no sum over batches (exact AUC, tfpod.auc) also gives `gather`:
+    (outputs, batch) -> {name: [batch] per-example values}, which each step returns
+    replicated and which stay on the devices over the eval set, and `finish`:
+    ({name: [examples]}, the whole set's per-example values) -> {sum name: scalar tensor},
+    computed on device once at the end and passed to `result` with the sums.
+    """
 
     name: str
     update: Callable[[tf.Tensor, Mapping[str, tf.Tensor]], dict]
     result: Callable[[Mapping[str, float]], dict]
+    gather: Callable[[tf.Tensor, Mapping[str, tf.Tensor]], dict] | None = None
+    finish: Callable[[Mapping[str, tf.Tensor]], dict] | None = None
 
 
 def _row_weights(weights: tf.Tensor) -> tf.Tensor:
@@ -133,7 +142,7 @@ def host_sum(values, mesh: dtensor.Mesh) -> np.ndarray:
 
 
 def make_eval_step(forward: Callable, metric: Metric, model_inputs: Callable[[Mapping], object],
-                   metric_batch: Callable[[object], Mapping] = lambda b: b):
+                   metric_batch: Callable[[object], Mapping] = lambda b: b, mesh: dtensor.Mesh | None = None):
     """The compiled eval step: forward pass and the metric's sums, reduced over the mesh.
 
     Args:
@@ -141,13 +150,20 @@ def make_eval_step(forward: Callable, metric: Metric, model_inputs: Callable[[Ma
       metric: the metric.
       model_inputs: batch -> the model's inputs.
       metric_batch: batch -> the features the metric reads (a pipeline's: the last stage's).
+      mesh: the mesh a metric's `gather` values are relaid out replicated on (None: no mesh).
     """
 
     @tf.function(autograph=False)
     def eval_step(batch):
         outputs = forward(model_inputs(batch))
         sums = metric.update(tf.cast(outputs, tf.float32), metric_batch(batch))
-        return {k: tf.cast(v, tf.float64) for k, v in sums.items()}
+        sums = {k: tf.cast(v, tf.float64) for k, v in sums.items()}
+        if metric.gather is None:
+            return sums
+        examples = metric.gather(tf.cast(outputs, tf.float32), metric_batch(batch))
+        if mesh is not None:  # an all-gather: every device keeps the whole set's values
+            examples = {k: dtensor.relayout(v, dtensor.Layout.replicated(mesh, v.shape.rank)) for k, v in examples.items()}
+        return sums, examples
 
     return eval_step
 
@@ -174,6 +190,18 @@ def run_padded(step: Callable[[dict], object], host_batches: Sequence[Mapping[st
     return [step(to_device(batches[i] if i < len(batches) else padding)) for i in range(steps)]
 
 
+_FINISHED = {}
+
+
+def _finish(metric: Metric):
+    """metric.finish compiled once per metric (its inputs' length may differ between evals)."""
+    if metric.name not in _FINISHED:
+        _FINISHED[metric.name] = tf.function(lambda values: {k: tf.cast(v, tf.float64)
+                                                             for k, v in metric.finish(values).items()},
+                                             autograph=False, reduce_retracing=True)
+    return _FINISHED[metric.name]
+
+
 def evaluate(eval_step, host_batches: Iterable[Mapping[str, np.ndarray]], host_rows: int, to_device,
              mesh: dtensor.Mesh, metric: Metric) -> dict:
     """Runs the eval set once; returns the metric's results and the true num_examples.
@@ -190,9 +218,14 @@ def evaluate(eval_step, host_batches: Iterable[Mapping[str, np.ndarray]], host_r
     if not host_batches:
         raise ValueError("this host has no eval data")
     outputs = run_padded(eval_step, host_batches, host_rows, to_device, mesh)
-    totals = None
+    totals, examples = None, []
     for sums in outputs:  # sums over the whole mesh: a padding call on this host adds the others' real rows
+        if metric.gather is not None:
+            sums, more = sums
+            examples.append(more)
         totals = sums if totals is None else {k: totals[k] + sums[k] for k in sums}
+    if metric.gather is not None:  # the whole eval set's per-example values, on the devices
+        totals.update(_finish(metric)({k: tf.concat([e[k] for e in examples], 0) for k in examples[0]}))
     host = {k: float(dtensor.unpack(v)[0].numpy()) if dtensor.is_dtensor(v) else float(v) for k, v in totals.items()}
     result = {k: float(v) for k, v in metric.result(host).items()}
     result["num_examples"] = int(round(host["example_count"]))

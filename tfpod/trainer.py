@@ -244,7 +244,7 @@ class Trainer:
         forward, model_inputs = lambda x: self.model(x, training=False), task.model_inputs
         if self.tables:  # tfpod.embedding (issue 66): the batch carries the tables' partial lookups
             forward, model_inputs = embedding.training.eval_forward(forward, model_inputs, self.tables)
-        return evaluation.make_eval_step(forward, task.eval_metric, model_inputs)
+        return evaluation.make_eval_step(forward, task.eval_metric, model_inputs, mesh=self.placement.mesh)
 
     def evaluate(self, host_batches: Sequence[Mapping[str, np.ndarray]], host_rows: int) -> dict:
         """One pass over this host's eval batches on the mesh: the task's metrics.
