@@ -5,11 +5,11 @@ added here, and its gin files.
 """
 
 from tfpod import UserError
-from tfpod.models import bert, gpt, llama, moe, resnet, ssd, transformer
+from tfpod.models import bert, dlrm, gpt, llama, moe, resnet, ssd, transformer
 from tfpod.task import Task, check_task
 
 TASKS: dict[str, Task] = {t.name: t for t in (gpt.TASK, moe.TASK, llama.TASK, bert.TASK, resnet.TASK,
-                                               transformer.TASK, ssd.TASK)}
+                                               transformer.TASK, ssd.TASK, dlrm.TASK)}
 for _task in TASKS.values():
     check_task(_task)
 

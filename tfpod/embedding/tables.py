@@ -134,7 +134,7 @@ class Tables:
 
     def __init__(self, model, placement, feature_axes: Mapping[str, Sequence], optimizer=None):
         self.placement, self.mesh = placement, placement.mesh
-        self.feature_axes = dict(feature_axes)
+        self.feature_axes = feature_axes
         self.tables: list[Table] = []
         for layer in find_layers(model):
             if layer.source is None:

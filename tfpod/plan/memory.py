@@ -20,7 +20,7 @@ from tfpod.partitioning.report import bytes_per_device
 from tfpod.plan.profile import Profile, Tensor
 
 # Optimizer slots per trainable weight (each the weight's shape and dtype).
-SLOTS = {"adamw": 2, "lamb": 2, "lars": 1, "sgd": 1}
+SLOTS = {"adamw": 2, "lamb": 2, "lars": 1, "sgd": 1, "adagrad": 1}
 
 
 def slots(optimizer_config) -> int:
