@@ -65,22 +65,24 @@ class Array:
         return tf.data.FixedLengthRecordDataset(self.path, self.row_bytes, header_bytes=header, footer_bytes=footer)
 
 
-def _npy_header(f, path: str, base: int) -> tuple:
+def _npy_header(f, path: str, label: str | None = None) -> Array:
+    """The .npy header at f's position: the array's data starts where the header ends."""
+    label = label or path
     try:
         version = np.lib.format.read_magic(f)
         reader = np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
         shape, fortran, dtype = reader(f)
     except ValueError as e:
-        raise UserError(f"{path}: not a .npy array ({e}): {FORMAT_FIX}") from None
+        raise UserError(f"{label}: not a .npy array ({e}): {FORMAT_FIX}") from None
     if fortran:
-        raise UserError(f"{path}: a Fortran-ordered array; {FORMAT_FIX}")
-    return Array(path, f.tell() - base, tuple(shape), np.dtype(dtype))
+        raise UserError(f"{label}: a Fortran-ordered array; {FORMAT_FIX}")
+    return Array(path, f.tell(), tuple(shape), np.dtype(dtype))
 
 
 def read_npy(path: str) -> Array:
     """The header of a .npy file."""
     with open(path, "rb") as f:
-        return _npy_header(f, path, 0)
+        return _npy_header(f, path)
 
 
 def read_npz(path: str) -> dict[str, Array]:
@@ -98,7 +100,7 @@ def read_npz(path: str) -> dict[str, Array]:
             name_len, extra_len = struct.unpack("<HH", local[26:30])
             start = info.header_offset + 30 + name_len + extra_len
             f.seek(start)
-            array = _npy_header(f, f"{path}:{info.filename}", 0)
+            array = _npy_header(f, path, f"{path}:{info.filename}")
             out[info.filename[:-4] if info.filename.endswith(".npy") else info.filename] = array
     return out
 

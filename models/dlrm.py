@@ -225,13 +225,13 @@ def serving(model: DLRM, config: DLRMConfig, data_config) -> tuple[tf.Module, di
     del data_config
     module = tf.Module()
     module.model = model
-    signature = input_signature(config)
+    specs = list(input_signature(config).values())  # dense, cat_0, ... (the signature's input names)
 
-    @tf.function(input_signature=[signature])
-    def serving_default(features):
-        inputs = {"dense": features["dense"]}
+    @tf.function(input_signature=specs)
+    def serving_default(*features):
+        inputs = {"dense": features[0]}
         for t, size in enumerate(config.table_sizes):
-            ids = features[feature_name(t)]
+            ids = features[t + 1]
             inputs[feature_name(t)] = tf.where(ids < 0, ids, ids % size)
         logits = model(inputs, training=False)
         return {"probabilities": tf.sigmoid(logits), "logits": logits}

@@ -1,0 +1,142 @@
+"""DLRM-DCNv2 (models/dlrm.py) with sharded embedding tables: sharded training equal to one
+device's, exact resume, checkpoints moving between meshes, the tiny recipe reaching its
+teacher's AUC, the reference's Criteo multi-hot files read per host with their position
+checkpointed, two hosts evaluating every example once, and the served model."""
+
+import json
+import os
+import subprocess
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from conftest import ROOT, assert_golden_layouts, device_mesh, launch_command
+from tfpod import UserError
+from tfpod.api import run
+from tfpod.input import clicks, criteo
+from tfpod.input.common import ShardInfo
+from tfpod.models import dlrm
+
+SMALL = ["train.global_batch_size=64", "train.steps_per_loop=2", "train.log_every=1", "train.checkpoint_every=2",
+         "train.eval_every=4", "click_data.eval_examples=512"]
+
+
+def records(model_dir, kind):
+    return [r for r in (json.loads(l) for l in open(os.path.join(model_dir, "metrics.jsonl"))) if r["kind"] == kind]
+
+
+def losses(model_dir) -> dict:
+    return {r["step"]: r["loss"] for r in records(model_dir, "train")}
+
+
+def test_sharded_tables_train_as_one_device_resume_exactly_and_move_between_meshes(tmp_path):
+    """dlrm_tiny on data:4,model:2 (tables' rows split over `model`, each device updating its
+    own rows) has one device's losses; stopped at step 2 and resumed, the same losses and eval
+    bit for bit; its checkpoint evaluates on data:2,model:4 (other row shards) to the same
+    AUC and loss."""
+    sharded, one, resumed = (str(tmp_path / n) for n in ("sharded", "one", "resumed"))
+    params = SMALL + ["train.steps=4"]
+    run(["gin/dlrm_tiny.gin"], params, sharded, mode="train_and_eval", mesh_spec="data:4,model:2")
+    run(["gin/dlrm_tiny.gin"], params, one, mode="train_and_eval", mesh=device_mesh("data:1"))
+    a, b = losses(sharded), losses(one)
+    assert sorted(a) == [1, 2, 3, 4] and a[4] < a[1]
+    np.testing.assert_allclose([a[s] for s in a], [b[s] for s in a], rtol=2e-5)
+    run(["gin/dlrm_tiny.gin"], SMALL + ["train.steps=2"], resumed, mode="train_and_eval", mesh_spec="data:4,model:2")
+    run(["gin/dlrm_tiny.gin"], params, resumed, mode="train_and_eval", mesh_spec="data:4,model:2")
+    assert losses(resumed) == a
+    final = records(sharded, "eval")[-1]
+    assert records(resumed, "eval")[-1]["auc"] == final["auc"] and final["num_examples"] == 512
+    assert abs(records(one, "eval")[-1]["auc"] - final["auc"]) < 1e-5
+    moved = run(["gin/dlrm_tiny.gin"], SMALL, sharded, mode="eval", mesh_spec="data:2,model:4")
+    assert moved["auc"] == pytest.approx(final["auc"], abs=1e-6)
+    assert moved["loss"] == pytest.approx(final["loss"], rel=1e-5)
+    assert_golden_layouts(open(os.path.join(sharded, "layouts.txt")).read(), "dlrm_tensor_data4_model2")
+
+
+def test_tiny_recipe_reaches_its_teachers_auc(tmp_path):
+    """gin/dlrm_tiny.gin on one device stops once its exact AUC is within 0.01 of the teacher's."""
+    model_dir = str(tmp_path / "tiny")
+    run(["gin/dlrm_tiny.gin"], [], model_dir, mode="train_and_eval", mesh=device_mesh("data:1"))
+    final = records(model_dir, "eval")[-1]
+    assert final["teacher_auc"] == pytest.approx(0.8679, abs=1e-4)
+    assert final["auc"] >= final["teacher_auc"] - 0.01, final
+
+
+TINY = dlrm.DLRMConfig(table_sizes=(40, 12, 9), multi_hot_sizes=(3, 1, 2), embedding_dim=4, bottom_mlp=(8, 4),
+                       top_mlp=(8, 1), cross_layers=1, cross_rank=4, row_multiple=4)
+
+
+def write_days(folder, rows=(50, 30, 40), config=TINY):
+    """Criteo-format days 0..n-1 of synthetic clicks (the teacher's), as the reference writes them."""
+    paths, data = [], []
+    for day, n in enumerate(rows):
+        batch = {k: v.numpy() for k, v in clicks.generate(clicks.ClickDataConfig(), config, 7, day, n).items()}
+        sparse = [batch[f"cat_{t}"] for t in range(len(config.table_sizes))]
+        paths.append(criteo.write_day(str(folder), day, batch["dense"], batch["labels"], sparse))
+        data.append(batch)
+    return paths, data
+
+
+@pytest.mark.unit
+def test_criteo_files_read_per_host_once_with_a_checkpointed_position(tmp_path):
+    paths, data = write_days(tmp_path)
+    cfg = clicks.ClickDataConfig(format="criteo", train_files=f"{tmp_path}/day_[01]_dense.npy",
+                                 eval_files=paths[2], shuffle_buffer=0)
+    seen = []
+    for host in range(2):
+        task_input = criteo.criteo_input(cfg, TINY, ShardInfo(host, 2), seed=0)
+        it = iter(task_input.train(8))
+        first = next(it)
+        assert first["dense"].shape == (8, 13) and first["cat_0"].shape == (8, 3) and first["labels"].dtype == tf.float32
+        checkpoint = tf.train.Checkpoint(iterator=it)
+        path = checkpoint.save(str(tmp_path / f"position{host}"))
+        expected = next(it)
+        restored = iter(task_input.train(8))
+        tf.train.Checkpoint(iterator=restored).restore(path)
+        np.testing.assert_array_equal(next(restored)["cat_0"].numpy(), expected["cat_0"].numpy())
+        seen.append(np.concatenate([b["dense"].numpy() for b in task_input.eval(16)]))
+    half = 20  # day 2's first half (the reference's validation rows)
+    np.testing.assert_array_equal(np.concatenate(seen), data[2]["dense"][:half])
+    host0 = criteo.host_ranges([criteo.open_day(p, 3) for p in paths[:2]], [(0, 50), (0, 30)], ShardInfo(0, 2))
+    assert [(os.path.basename(d.dense.path), a, b) for d, a, b in host0] == [("day_0_dense.npy", 0, 40)]
+    np.testing.assert_array_equal(
+        next(iter(criteo.criteo_input(cfg, TINY, ShardInfo(0, 1), 0).train(50)))["cat_2"].numpy(),
+        data[0]["cat_2"] % 9)
+    with pytest.raises(UserError, match="multi_hot_sizes"):
+        wrong = dlrm.DLRMConfig(**{**TINY.__dict__, "multi_hot_sizes": (3, 1, 1)})
+        criteo.criteo_input(cfg, wrong, ShardInfo(0, 1), 0)
+
+
+def test_two_hosts_evaluate_every_example_once_and_the_served_model_agrees(tmp_path):
+    """Trained on Criteo-format files on one host (data:2,model:2), the checkpoint evaluates on 2
+    hosts x 2 devices to the same exact AUC over the same examples; the exported SavedModel,
+    fed the raw features, gives probabilities whose sklearn AUC is the run's."""
+    from sklearn.metrics import roc_auc_score
+
+    paths, data = write_days(tmp_path / "data", rows=(256, 256, 200))
+    model_dir = str(tmp_path / "run")
+    params = ["dlrm.table_sizes=(40, 12, 9)", "dlrm.multi_hot_sizes=(3, 1, 2)", "dlrm.embedding_dim=4",
+              "dlrm.bottom_mlp=(8, 4)", "dlrm.top_mlp=(8, 1)", "dlrm.cross_layers=1", "dlrm.cross_rank=4",
+              "dlrm.row_multiple=4", "click_data.format='criteo'", "click_data.shuffle_buffer=0",
+              f"click_data.train_files='{tmp_path}/data/day_[01]_dense.npy'", f"click_data.eval_files='{paths[2]}'",
+              "train.steps=4", "train.eval_every=4"] + [p for p in SMALL if "eval_every" not in p]
+    run(["gin/dlrm_tiny.gin"], params, model_dir, mode="train_and_eval", mesh=device_mesh("data:2,model:2"))
+    single = records(model_dir, "eval")[-1]
+    assert single["num_examples"] == 100  # the first half of day 2
+    command = launch_command(2, 2, "--gin_file=gin/dlrm_tiny.gin", "--mesh=data:2,model:2", f"--model_dir={model_dir}",
+                             "--mode=eval", *[f"--gin_param={p}" for p in params])
+    proc = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert len(records(model_dir, "eval")) == 2  # the 2 hosts' evaluation, written by host 0
+    two = records(model_dir, "eval")[-1]
+    assert two["num_examples"] == 100 and two["auc"] == pytest.approx(single["auc"], abs=1e-9)
+    run(["gin/dlrm_tiny.gin"], params, model_dir, mode="export")
+    exported = [os.path.join(d, v) for d, _, fs in os.walk(os.path.join(model_dir, "export")) for v in fs
+                if v == "saved_model.pb"]
+    served = tf.saved_model.load(os.path.dirname(exported[0])).signatures["serving_default"]
+    rows = slice(0, 100)
+    features = {"dense": tf.constant(data[2]["dense"][rows])}
+    features.update({f"cat_{t}": tf.constant(data[2][f"cat_{t}"][rows]) for t in range(3)})
+    probabilities = served(**features)["probabilities"].numpy()
+    assert roc_auc_score(data[2]["labels"][rows], probabilities) == pytest.approx(single["auc"], abs=1e-6)
