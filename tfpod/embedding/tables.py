@@ -147,9 +147,9 @@ class Tables:
                 slots = tuple(optimizer.get_slot(variable, name) for name in rule.slots)
             row_axis, col_axis, shards = _shards(variable, slots, self.mesh)
             self.tables.append(Table(layer, variable, rule, row_axis, col_axis, shards))
-        self._lookup = tf.function(self._lookup_all)
+        self._lookup = tf.function(self._lookups)
         self._apply = tf.function(self._apply_all)
-        self._spread = None
+        self._compiled = {}
 
     def __bool__(self) -> bool:
         return bool(self.tables)
@@ -160,50 +160,60 @@ class Tables:
 
     # -- lookups --------------------------------------------------------------
 
-    def global_ids(self, host_batch: Mapping[str, np.ndarray]) -> list:
-        """Each table's ids for the whole global batch, [batch, hot] (a collective across hosts)."""
+    def global_ids(self, host_batch: Mapping[str, np.ndarray], leading_dims: int = 0) -> list:
+        """Each table's ids for the whole global batch, [*leading, batch, hot] (a collective
+        across hosts; `leading_dims`: a loop's stacked steps before the batch)."""
         features = sorted({t.layer.source for t in self.tables})
         for f in features:
             if f not in host_batch:
                 raise UserError(f"embedding tables: the batch has no feature {f!r} (a table's `source`); it has "
                                 f"{', '.join(sorted(host_batch))}")
         if runtime.info().num_clients == 1:
-            found = {f: np.asarray(host_batch[f]) for f in features}
+            found = {f: layer_lib.padded_ids(host_batch[f]).numpy() if isinstance(host_batch[f], tf.RaggedTensor)
+                     else np.asarray(host_batch[f]) for f in features}
         else:  # the other hosts' rows: relaid out replicated on the mesh, read on this host's first device
-            if self._spread is None:
-                layouts = {f: dtensor.Layout.replicated(self.mesh, len(self.feature_axes[f])) for f in features}
-                self._spread = tf.function(lambda b: {f: dtensor.relayout(b[f], layouts[f]) for f in features})
-            spread = self._spread(self.placement.to_global({f: host_batch[f] for f in features}, self.feature_axes))
+            key = ("spread", leading_dims)
+            if key not in self._compiled:
+                layouts = {f: dtensor.Layout.replicated(self.mesh, leading_dims + len(self.feature_axes[f]))
+                           for f in features}
+                self._compiled[key] = tf.function(lambda b: {f: dtensor.relayout(b[f], layouts[f]) for f in features})
+            spread = self._compiled[key](self.placement.to_global({f: host_batch[f] for f in features},
+                                                                   self.feature_axes, leading_dims=leading_dims))
             found = {f: dtensor.unpack(v)[0] for f, v in spread.items()}
         out = []
         for t in self.tables:
             ids = found[t.layer.source]
-            pooled = t.layer.combiner is not None or len(ids.shape) == 1
+            pooled = t.layer.combiner is not None or len(ids.shape) == leading_dims + 1
             if t.pooled is not None and t.pooled != pooled:
                 raise UserError(f"embedding {t.name}: its ids changed rank between steps ({t.layer.source!r})")
             t.pooled = pooled
-            out.append(tf.reshape(ids, [-1, 1]) if len(ids.shape) == 1 else ids)
+            out.append(ids[..., None] if len(ids.shape) == leading_dims + 1 else ids)
         return out
 
-    def _lookup_all(self, ids_list):
+    def _lookups(self, ids_list, after=None) -> list:
+        """Every table's partial lookups on every local device (inside an ordinary tf.function),
+        after the ops `after[k]` of device k."""
         out = []
         for table, ids in zip(self.tables, ids_list):
             parts = []
-            for shard in table.shards:
-                with tf.device(shard.device):
+            for k, shard in enumerate(table.shards):
+                with tf.device(shard.device), tf.control_dependencies(after[k] if after else []):
                     parts.append(_shard_lookup(shard, ids, table.variable.dtype, table.pooled))
             out.append(parts)
         return out
 
+    def _pack(self, parts) -> dict:
+        return {table.name: dtensor.pack(pieces, table.partial_layout(len(pieces[0].shape), self.mesh))
+                for table, pieces in zip(self.tables, parts)}
+
     def lookup(self, host_batch: Mapping[str, np.ndarray]) -> dict:
-        """The partial lookups of every table for this step's batch, as DTensors
+        """The partial lookups of every table for this batch, as DTensors
         {table name: [row shards, batch, (hot,) width]} for `scope`."""
-        ids_list = self.global_ids(host_batch)
-        parts = self._lookup(ids_list)
-        out = {}
-        for table, pieces in zip(self.tables, parts):
-            out[table.name] = dtensor.pack(pieces, table.partial_layout(len(pieces[0].shape), self.mesh))
-        return out
+        return self.lookup_ids(self.global_ids(host_batch))
+
+    def lookup_ids(self, ids_list: Sequence) -> dict:
+        """`lookup` of each table's global ids (`global_ids`)."""
+        return self._pack(self._lookup(list(ids_list)))
 
     def scope(self, partials: Mapping[str, tf.Tensor]) -> layer_lib.LookupScope:
         """The lookup scope a step's trace enters with these partial lookups (DTensors)."""
@@ -217,9 +227,9 @@ class Tables:
 
     # -- sparse updates ---------------------------------------------------------
 
-    def _apply_all(self, ids_list, rows_list, hyper_list):
-        ops = []
-        for k in range(len(self.mesh.local_devices())):
+    def _apply_all(self, ids_list, rows_list, hyper_list, next_ids=None):
+        ops = [[] for _ in self.mesh.local_devices()]
+        for k in range(len(ops)):
             hyper = hyper_list[k]
             lr, finite, step = hyper[0], hyper[1] > 0, hyper[2]
             for table, ids, rows in zip(self.tables, ids_list, rows_list):
@@ -232,16 +242,26 @@ class Tables:
                     with tf.control_dependencies([applied]):
                         # the sparse kernels put the shard in copy-on-read mode, where every read of
                         # the table (the step's, a checkpoint's) would copy it: back to sharing
-                        ops.append(tf.raw_ops.DisableCopyOnRead(resource=shard.handle))
-        tf.group(ops)
+                        ops[k].append(tf.raw_ops.DisableCopyOnRead(resource=shard.handle))
+        if next_ids is None:
+            tf.group(ops)
+            return None
+        return self._lookups(next_ids, after=ops)
 
-    def apply(self, rows: Sequence[tuple], hyper: tf.Tensor) -> None:
-        """Applies a step's gradient rows to the shards on this host's devices, in place.
+    def apply(self, rows: Sequence[tuple], hyper: tf.Tensor, next_ids: Sequence | None = None) -> dict | None:
+        """Applies a step's gradient rows to the shards on this host's devices, in place, and
+        with `next_ids` looks up the next step's partials in the same call.
 
         Args:
           rows: per table, (ids [n], values [n, width]) de-duplicated and clipped, replicated DTensors.
           hyper: [learning rate, 1 if the step was finite else 0, step from 1], a replicated DTensor.
+          next_ids: the next step's global ids (`global_ids`), or None.
+
+        Returns:
+          The next step's partial lookups (as `lookup`), or None.
         """
         ids_list = [dtensor.unpack(i) for i, _ in rows]
         rows_list = [dtensor.unpack(v) for _, v in rows]
-        self._apply(ids_list, rows_list, dtensor.unpack(hyper))
+        parts = self._apply(ids_list, rows_list, dtensor.unpack(hyper),
+                            None if next_ids is None else list(next_ids))
+        return None if parts is None else self._pack(parts)
