@@ -84,9 +84,6 @@ class ClickDataConfig(DataConfig):
             raise UserError(f"click_data.eval_split={self.eval_split!r}: use val, test or all")
         if self.eval_examples < 1 or self.teacher_rows < 1 or self.id_skew <= 0:
             raise UserError("click_data.eval_examples and teacher_rows must be positive, id_skew > 0")
-        if self.format == "criteo" and not self.train_files:
-            raise UserError("click_data.format='criteo' needs click_data.train_files: the glob of the reference's "
-                            "day_<d>_dense.npy files")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -223,5 +220,8 @@ def click_input(cfg: ClickDataConfig, model_config, shard: ShardInfo, seed: int)
     if cfg.format == "criteo":
         from tfpod.input import criteo
 
+        if not cfg.train_files:
+            raise UserError("click_data.format='criteo' needs click_data.train_files: the glob of the reference's "
+                            "day_<d>_dense.npy files")
         return criteo.criteo_input(cfg, model_config, shard, seed)
     return synthetic_input(cfg, model_config, shard, seed)

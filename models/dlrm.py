@@ -34,6 +34,7 @@ import tf_keras
 
 from tfpod import UserError, auc, embedding
 from tfpod.input import clicks
+from tfpod.models import plan_profiles
 from tfpod.partitioning import AxisRule
 from tfpod.task import LossTerms, Task
 
@@ -266,6 +267,7 @@ class DLRMTask(Task):
     serving = staticmethod(serving)
     serves = True
     host_eval_metrics = staticmethod(host_eval_metrics)
+    plan_profile = staticmethod(plan_profiles.dlrm)
 
     batch_axes = staticmethod(batch_axes)
     model_inputs = staticmethod(model_inputs)

@@ -129,3 +129,24 @@ def conv(config, outputs=(), flops=None) -> Profile:
     repeated blocks (recomputation and pipelines are for Transformers)."""
     del config, flops
     return Profile(blocks=0, outside_saved=profile.conv_layers(outputs), ops_outside=3 * len(outputs))
+
+
+def dlrm(config, outputs=(), flops=None) -> Profile:
+    """DLRM-DCNv2 (models/dlrm.py) per example: the MLPs' and cross layers' activations
+    (data parallel); the embedding tables' lookups (tfpod.embedding.tables): every device
+    looks up its rows for the whole global batch and the partial sums are reduced over the
+    rows' mesh axis (`vocab`), and the step's gradient rows (and ids) are gathered to every
+    device, which de-duplicates them (a few copies while it sorts)."""
+    del outputs, flops
+    tables, d = len(config.table_sizes), config.embedding_dim
+    hot, width = sum(config.multi_hot_sizes), config.interaction_width
+    mlp = sum(config.bottom_mlp) + config.dense_features + sum(config.top_mlp)
+    saved = [Tensor((None,), (2 * mlp,)),  # each MLP layer's input and output
+             Tensor((None,), (width,), 2 + 4 * config.cross_layers),  # x0, pooled tables; each cross layer
+             Tensor((None,), (config.cross_rank,), config.cross_layers),
+             Tensor((None, "embed"), (tables, d), whole_batch=True),  # the partial lookups, every device
+             Tensor((None, "embed"), (hot, d), 4, "float32", whole_batch=True)]  # gathered, sorted, summed rows
+    collectives = [  # (each once per step: `count` halves the forward + backward the planner counts)
+        Collective(Tensor((None, "embed"), (tables, d), whole_batch=True), "vocab", "all_reduce", 0.5),
+        Collective(Tensor((None, None), (hot, d + 1), 1, "float32"), "batch", "all_gather", 0.5)]
+    return Profile(blocks=0, outside_saved=saved, outside_collectives=collectives, ops_outside=40 + 6 * tables)

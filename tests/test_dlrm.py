@@ -140,3 +140,25 @@ def test_two_hosts_evaluate_every_example_once_and_the_served_model_agrees(tmp_p
     features.update({f"cat_{t}": tf.constant(data[2][f"cat_{t}"][rows]) for t in range(3)})
     probabilities = served(**features)["probabilities"].numpy()
     assert roc_auc_score(data[2]["labels"][rows], probabilities) == pytest.approx(single["auc"], abs=1e-6)
+
+
+@pytest.mark.unit
+def test_planner_counts_tables_slots_and_lookup_traffic():
+    """The MLPerf configuration planned on 8 H100s: each device holds 1/8 of the tables and of
+    their Adagrad accumulators, no dense table gradient, the lookups' reduction over `model`;
+    --mesh=auto's search refuses layouts tables cannot train with and picks one that fits."""
+    from tfpod import plan
+    from tfpod.api import load_configs
+    from tfpod.plan import search
+    from tfpod.plan.devices import get
+    from tfpod.plan.planner import Planner
+
+    configs = load_configs(["gin/dlrm_dcnv2.gin"], [], "")
+    p = plan.predict(configs, "data:1,model:8", "h100", 8)["plan"]
+    table_bytes = sum(configs.model.padded_rows) * 128 * 4
+    assert p["breakdown"]["tables"] == {"count": 26, "weights": table_bytes // 8, "slots": table_bytes // 8}
+    assert p["per_device_bytes"]["gradients"] < 100 * 2**20  # the MLPs' alone
+    assert "all_reduce over 'model' (activations)" in p["breakdown"]["time"]["collectives"]
+    assert not plan.predict(configs, "data:8", "h100", 8)["fits"]  # replicated tables do not fit
+    best, _ = search.search(Planner(configs, get("h100"), 8))
+    assert best["fits"] and best["preset"] in ("tensor", "2d") and "model" in best["mesh"]

@@ -164,6 +164,7 @@ class Trainer:
                 task.axis_rules, placement.table, placement.stages, stage_of)
         # (the weights layers read gathered: the trainable ones, and with LoRA the base it froze too)
         weights = self.model.trainable_variables if task.lora is None else self.model.variables
+        weights = embedding.dense_weights(self.model, weights)  # (issue 66: a table is never read whole)
         self.gathered = partitioning.gather_when_used(weights, placement.gather_axis)
         self.optimizer = optimizers.build_optimizer(optimizer_config, total_steps)
         self.update = optimizers.Update(self.optimizer, self.model.trainable_variables, placement.mesh,

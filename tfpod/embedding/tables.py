@@ -87,6 +87,12 @@ def find_layers(model) -> list:
     return out
 
 
+def dense_weights(model, variables) -> list:
+    """`variables` without the model's embedding tables (which are read and updated by rows only)."""
+    tables = {id(compat.inner_variable(layer.embeddings)) for layer in find_layers(model)}
+    return [v for v in variables if id(compat.inner_variable(v)) not in tables]
+
+
 def _shards(variable, slots: Sequence, mesh) -> tuple[str | None, str | None, list]:
     inner = compat.inner_variable(variable)
     layout = dtensor.fetch_layout(inner)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Mapping, Sequence
+from typing import Collection, Mapping, Sequence
 
 from tensorflow.experimental import dtensor
 
@@ -39,17 +39,23 @@ class StateBytes:
     gathered: int  # `2d`: the weights a step holds gathered over the gather axis
     weight_bytes_total: int  # all devices' copies of the weights together (one model's bytes x replicas)
     gradient_sync: list  # [(mesh axis, bytes per device all-reduced over it, kind)]
+    sparse: int = 0  # of `weights`: embedding tables', which a step reads and updates by rows only
+    sparse_slots: int = 0  # of `optimizer`: the tables' slots
 
 
 def state_bytes(specs: Sequence, layouts: Mapping[str, dtensor.Layout], stage_of: Mapping[str, int],
                 num_stages: int, optimizer_config, update_axis: str | None, gather_axis: str | None,
-                batch_mesh_axes: Sequence[str]) -> StateBytes:
+                batch_mesh_axes: Sequence[str], sparse: Collection[str] = ()) -> StateBytes:
     """Weights, gradients and optimizer state per device (the largest stage's), exactly as
-    the trainer lays them out; and the gradient traffic those layouts imply."""
+    the trainer lays them out; and the gradient traffic those layouts imply.
+
+    `sparse`: the embedding tables (tfpod.embedding): their weights and slots are held as
+    laid out, but their gradient is rows (the task's profile counts them), not a dense
+    tensor, and they are synchronized by their lookups' collectives, not all-reduced."""
     n_slots = slots(optimizer_config)
     per_stage = [[0, 0, 0, 0] for _ in range(max(1, num_stages))]
     sync: dict[tuple, int] = {}
-    total = 0
+    total = sparse_weights = sparse_slots = 0
     for s in specs:
         layout = layouts[s.name]
         here = per_stage[stage_of.get(s.name, 0)]
@@ -57,6 +63,10 @@ def state_bytes(specs: Sequence, layouts: Mapping[str, dtensor.Layout], stage_of
         here[0] += w
         total += w
         if not s.trainable:
+            continue
+        if s.name in sparse:
+            here[2] += n_slots * w
+            sparse_weights, sparse_slots = sparse_weights + w, sparse_slots + n_slots * w
             continue
         here[1] += w  # the gradient, in the weight's layout and dtype
         target = update_layout(layout, s.shape, update_axis)
@@ -77,7 +87,8 @@ def state_bytes(specs: Sequence, layouts: Mapping[str, dtensor.Layout], stage_of
             size = bytes_per_device(s.shape, s.dtype, compute_layout(layout, axis))
             sync[(axis, kind)] = sync.get((axis, kind), 0) + size
     largest = max(per_stage, key=lambda b: sum(b))
-    return StateBytes(*largest, total, [(a, b, k) for (a, k), b in sorted(sync.items())])
+    return StateBytes(*largest, total, [(a, b, k) for (a, k), b in sorted(sync.items())], sparse_weights,
+                      sparse_slots)
 
 
 def element_bytes(dtype: str, precision: str) -> int:
@@ -88,7 +99,8 @@ def tensor_bytes(t: Tensor, rows: int, table: Mapping, mesh: dtensor.Mesh, preci
     """Bytes one device holds of `rows` examples of t (the batch split like the batch)."""
     if t.when_split and not (table.get(t.when_split) in mesh.dim_names and mesh.dim_size(table[t.when_split]) > 1):
         return 0.0
-    layout = layout_for(("batch",) + tuple(t.axes), table, mesh, (rows,) + tuple(t.shape))
+    layout = layout_for(((None,) if t.whole_batch else ("batch",)) + tuple(t.axes), table, mesh,
+                        (rows,) + tuple(t.shape))
     local = [math.ceil(d / (1 if spec == dtensor.UNSHARDED else mesh.dim_size(spec)))
              for d, spec in zip((rows,) + tuple(t.shape), layout.sharding_specs)]
     return t.count * math.prod(local) * element_bytes(t.dtype, precision)

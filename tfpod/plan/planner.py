@@ -93,6 +93,12 @@ class Planner:
         if self.profile is None:
             raise UserError(f"model {task.name!r} has no plan profile (Task.plan_profile): the planner cannot "
                             "predict its activations")
+        from tfpod import compat, embedding
+        from tfpod.partitioning.build import var_name
+
+        # embedding tables (tfpod.embedding): gradients as rows, updated by rows (memory.state_bytes)
+        self.sparse = frozenset(var_name(compat.inner_variable(layer.embeddings))
+                                for layer in embedding.find_layers(self.model))
         self.parameters = sum(math.prod(s.shape) for s in self.specs if s.trainable)
         self.frozen = sum(math.prod(s.shape) for s in self.specs if not s.trainable)  # (LoRA's base, BN's statistics)
         tokens = task.tokens_per_example(model_config)
@@ -169,6 +175,8 @@ class Planner:
         placement.preset.check_run(task, placement)  # what training would refuse (e.g. 2d inside stages)
         mesh, table = placement.mesh, placement.table
         preset = sharding.preset or task.default_preset
+        if self.sparse and (placement.update_axis or num_stages > 1):  # (tfpod.embedding.training.check_supported)
+            raise UserError(f"preset {preset!r}: embedding tables train without a sharded update or pipeline stages")
         layouts = resolve(self.specs, task.axis_rules, table, mesh)
         stage_of = {}
         if num_stages > 1:
@@ -187,7 +195,7 @@ class Planner:
         # the weights' gradients are summed over every axis that splits the tokens: the batch's, and the sequence's
         token_axes = [a for a in (batch_axis, table.get("length") if context > 1 else None) if a]
         state = memory.state_bytes(self.specs, layouts, stage_of, num_stages, c.optimizer, placement.update_axis,
-                                   placement.gather_axis, token_axes)
+                                   placement.gather_axis, token_axes, self.sparse)
         remat = bool(model_config.remat) if task.recomputes else False
         acts = memory.activation_bytes(self.profile, global_batch, table, mesh, train.precision, remat, num_stages,
                                        train.microbatches, sharding.pipeline_schedule, state.gradients, state.gathered)
@@ -222,6 +230,8 @@ class Planner:
                           "time": t, "gradient_sync": [{"axis": a, "bytes": b, "kind": k}
                                                        for a, b, k in state.gradient_sync],
                           "bandwidths": bandwidths, "device_spec": device.to_json(),
+                          "tables": {"count": len(self.sparse), "weights": state.sparse,
+                                     "slots": state.sparse_slots},
                           "model_flops_per_step": flops_per_step},
         }
 

@@ -40,6 +40,7 @@ class Tensor:
     count: float = 1.0
     dtype: str = "compute"
     when_split: str | None = None  # kept only when this logical axis is split (e.g. a one-hot lookup)
+    whole_batch: bool = False  # every device holds it for the whole global batch (embedding tables' lookups)
 
     def elements(self) -> float:
         return self.count * math.prod(self.shape)

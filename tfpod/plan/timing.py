@@ -99,9 +99,11 @@ def step_time(*, device: DeviceSpec, precision: str, flops_per_step: float, num_
     flops /= num_devices
     peak = device.flops(precision) * device.matmul_efficiency
     matmul_s = flops / peak
-    weight_reads_s = WEIGHT_PASSES * m * (state.weights + state.gathered) / device.memory_bandwidth
+    # (embedding tables are read and updated by rows: the task's profile counts those)
+    dense = state.weights - state.sparse + state.optimizer - state.sparse_slots
+    weight_reads_s = WEIGHT_PASSES * m * (state.weights - state.sparse + state.gathered) / device.memory_bandwidth
     activations_s = ACTIVATION_PASSES * activation_bytes / device.memory_bandwidth * (1 + recompute)
-    optimizer_s = 2.0 * (state.weights + state.gradients + state.optimizer) / device.memory_bandwidth
+    optimizer_s = 2.0 * (dense + state.gradients) / device.memory_bandwidth
     compute_s = max(matmul_s, weight_reads_s) + activations_s
     bubble = (num_stages - 1) / m if num_stages > 1 else 0.0
 
