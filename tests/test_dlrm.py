@@ -149,7 +149,7 @@ def test_planner_counts_tables_slots_and_lookup_traffic():
     --mesh=auto's search refuses layouts tables cannot train with and picks one that fits."""
     from tfpod import plan
     from tfpod.api import load_configs
-    from tfpod.plan import search
+    from tfpod.plan.search import search
     from tfpod.plan.devices import get
     from tfpod.plan.planner import Planner
 
@@ -160,5 +160,5 @@ def test_planner_counts_tables_slots_and_lookup_traffic():
     assert p["per_device_bytes"]["gradients"] < 100 * 2**20  # the MLPs' alone
     assert "all_reduce over 'model' (activations)" in p["breakdown"]["time"]["collectives"]
     assert not plan.predict(configs, "data:8", "h100", 8)["fits"]  # replicated tables do not fit
-    best, _ = search.search(Planner(configs, get("h100"), 8))
+    best, _ = search(Planner(configs, get("h100"), 8))
     assert best["fits"] and best["preset"] in ("tensor", "2d") and "model" in best["mesh"]
