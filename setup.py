@@ -31,7 +31,8 @@ setup(
     # the tests check imports and exports against its own TFGPT2LMHeadModel and TFBertForPreTraining.
     # kubernetes-validate: the Kubernetes manifests are validated against the Kubernetes API schema offline.
     extras_require={"test": ["pytest>=8", "pytest-xdist>=3", "tensorflow-serving-api==2.20.*", "transformers==4.44.*",
-                             "safetensors==0.4.*", "kubernetes-validate>=1.30"]},
+                             "safetensors==0.4.*", "kubernetes-validate>=1.30",
+                             "tensorflow-recommenders==0.7.7"]},
     entry_points={"console_scripts": ["tfpod=tfpod.main:console_main", "tfpod-launch=tfpod.launch:console_main",
                                       "tfpod-doctor=tfpod.doctor.__main__:console_main"]},
 )

@@ -8,10 +8,10 @@
 docs/recommenders.md has the design, the traffic per step and what DTensor refused.
 """
 
-from tfpod.embedding.layer import Embedding, lookup, padded_ids, pool
+from tfpod.embedding.layer import Embedding, TableLayer, lookup, padded_ids, pool
 from tfpod.embedding.sparse import Rows, SparseRule, dedupe, rule_for, sparse_apply
 from tfpod.embedding.tables import Tables, dense_weights, find_layers
 from tfpod.embedding.training import make_train_loop, sparse_step, with_rows
 
-__all__ = ["Embedding", "lookup", "padded_ids", "pool", "Rows", "SparseRule", "dedupe", "rule_for", "sparse_apply",
+__all__ = ["Embedding", "TableLayer", "lookup", "padded_ids", "pool", "Rows", "SparseRule", "dedupe", "rule_for", "sparse_apply",
            "Tables", "dense_weights", "find_layers", "make_train_loop", "sparse_step", "with_rows"]

@@ -104,7 +104,64 @@ def lookup(table, ids, combiner: str | None = None) -> tf.Tensor:
     return pool(rows, valid, combiner)
 
 
-class Embedding(tf_keras.layers.Layer):
+class TableLayer:
+    """What tfpod.embedding.tables needs of a table's layer (a mixin): `embeddings` [rows, width],
+    `combiner` (None, "sum", "mean") and `source` (the batch feature holding its ids). tfpod's
+    Embedding has them; tfpod.keras gives a tf_keras Embedding whose rows are split them."""
+
+    combiner: str | None = None
+    source: str | None = None
+
+
+def from_partials(layer: TableLayer, ids, scope: LookupScope) -> tf.Tensor:
+    """A table layer's output from the shards' partial lookups, its gradient rows.
+
+    partials [row shards, batch, width] (pooled: a combiner, or one id per example) or
+    [row shards, batch, hot, width] (combiner None): summed over the row shards (a
+    reduction over the table's row axis), then split as the batch. The table's gradient is
+    tf.IndexedSlices: the ids (-1: padding) and each looked-up row's gradient, the output's
+    (divided by the example's id count for "mean"), never a dense [rows, width] tensor.
+    """
+    ids = padded_ids(ids)
+    partials = scope.partials[id(layer)]
+    layout = scope.output_layouts[id(layer)]
+    pooled = partials.shape.rank == 3
+    if ids.shape.rank == 1:
+        ids = ids[:, None]  # [batch, 1]
+    valid = ids >= 0  # [batch, hot]
+    count = tf.maximum(tf.reduce_sum(tf.cast(valid, tf.float32), axis=1), 1.0)  # [batch]
+    mean = pooled and layer.combiner == "mean"
+    table = layer.embeddings
+    shape = table.shape.as_list()
+
+    @tf.custom_gradient
+    def output(x):
+        # Marks the table as read here, so that its gradient is `grad`'s rows. The read
+        # shares the shards' buffers (Tables.apply turns the copy-on-read of sparse
+        # updates off), and nothing uses its value.
+        table.value()
+        y = dtensor.relayout(tf.reduce_sum(x, axis=0), layout)  # [batch, (hot,) width]
+        if mean:
+            y = y / count[:, None]
+
+        def grad(dy, variables=None):
+            mask = tf.cast(valid, dy.dtype)  # [batch, hot]
+            if pooled:
+                if mean:
+                    mask = mask / count[:, None]
+                values = dy[:, None, :] * mask[..., None]  # [batch, hot, width]
+            else:
+                values = dy * mask[..., None]
+            rows = tf.IndexedSlices(tf.reshape(values, [-1, shape[1]]), tf.reshape(tf.cast(ids, tf.int32), [-1]),
+                                    tf.constant(shape))
+            return None, [rows] * len(variables or [])
+
+        return y, grad
+
+    return output(partials)
+
+
+class Embedding(TableLayer, tf_keras.layers.Layer):
     """An embedding table, looked up plainly or as shards on the devices that hold them.
 
     Args:
@@ -137,52 +194,8 @@ class Embedding(tf_keras.layers.Layer):
     def call(self, ids):
         scope = active_scope()
         if scope is not None and id(self) in scope.partials:
-            return self._from_partials(padded_ids(ids), scope)
+            return from_partials(self, ids, scope)
         return lookup(self.embeddings, ids, self.combiner)
-
-    def _from_partials(self, ids, scope: LookupScope):
-        """The output from the shards' partial lookups, and its gradient recorded as rows.
-
-        partials [row shards, batch, width] (pooled: a combiner, or one id per example) or
-        [row shards, batch, hot, width] (combiner None): summed over the row shards (a
-        reduction over the table's row axis), then split as the batch; the gradient of each
-        looked-up row is the output's gradient (divided by the example's id count for "mean").
-        """
-        partials = scope.partials[id(self)]
-        layout = scope.output_layouts[id(self)]
-        pooled = partials.shape.rank == 3
-        if ids.shape.rank == 1:
-            ids = ids[:, None]  # [batch, 1]
-        valid = ids >= 0  # [batch, hot]
-        count = tf.maximum(tf.reduce_sum(tf.cast(valid, tf.float32), axis=1), 1.0)  # [batch]
-        mean = pooled and self.combiner == "mean"
-        table, shape = self.embeddings, [self.rows, self.width]
-
-        @tf.custom_gradient
-        def output(x):
-            # Marks the table as read here, so that its gradient is `grad`'s rows. The read
-            # shares the shards' buffers (Tables.apply turns the copy-on-read of sparse
-            # updates off), and nothing uses its value.
-            table.value()
-            y = dtensor.relayout(tf.reduce_sum(x, axis=0), layout)  # [batch, (hot,) width]
-            if mean:
-                y = y / count[:, None]
-
-            def grad(dy, variables=None):
-                mask = tf.cast(valid, dy.dtype)  # [batch, hot]
-                if pooled:
-                    if mean:
-                        mask = mask / count[:, None]
-                    values = dy[:, None, :] * mask[..., None]  # [batch, hot, width]
-                else:
-                    values = dy * mask[..., None]
-                rows = tf.IndexedSlices(tf.reshape(values, [-1, shape[1]]), tf.reshape(tf.cast(ids, tf.int32), [-1]),
-                                        tf.constant(shape))
-                return None, [rows] * len(variables or [])
-
-            return y, grad
-
-        return output(partials)
 
     def compute_output_shape(self, input_shape):
         input_shape = tf.TensorShape(input_shape)

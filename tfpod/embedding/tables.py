@@ -59,7 +59,7 @@ class Shard:
 class Table:
     """An Embedding layer's table on the mesh, and its shards on this host's devices."""
 
-    layer: layer_lib.Embedding
+    layer: layer_lib.TableLayer
     variable: object
     rule: SparseRule | None
     row_axis: str | None
@@ -78,10 +78,11 @@ class Table:
 
 
 def find_layers(model) -> list:
-    """The model's tfpod Embedding layers, each once, in tf_keras's traversal order."""
+    """The model's table layers (tfpod Embeddings, tfpod.keras's sharded Keras Embeddings), each
+    once, in tf_keras's traversal order."""
     seen, out = set(), []
     for layer in compat.flatten_layers(model):
-        if isinstance(layer, layer_lib.Embedding) and id(layer) not in seen:
+        if isinstance(layer, layer_lib.TableLayer) and id(layer) not in seen:
             seen.add(id(layer))
             out.append(layer)
     return out
@@ -186,9 +187,13 @@ class Tables:
             spread = self._compiled[key](self.placement.to_global({f: host_batch[f] for f in features},
                                                                    self.feature_axes, leading_dims=leading_dims))
             found = {f: dtensor.unpack(v)[0] for f, v in spread.items()}
+        return self.shaped_ids([found[t.layer.source] for t in self.tables], leading_dims)
+
+    def shaped_ids(self, ids_list: Sequence, leading_dims: int = 0) -> list:
+        """Each table's global ids as `lookup_ids` takes them: [*leading, batch, hot] (one id per
+        example as hot 1); the first call fixes whether each table pools."""
         out = []
-        for t in self.tables:
-            ids = found[t.layer.source]
+        for t, ids in zip(self.tables, ids_list):
             pooled = t.layer.combiner is not None or len(ids.shape) == leading_dims + 1
             if t.pooled is not None and t.pooled != pooled:
                 raise UserError(f"embedding {t.name}: its ids changed rank between steps ({t.layer.source!r})")

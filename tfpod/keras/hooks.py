@@ -16,7 +16,9 @@ calls tf_keras's own method for every other model:
   Model.save          the unsharded copy's files (tfpod.keras.export)
   Model.evaluate / predict          one step per host call; predict's outputs gathered
   Model.fit / evaluate / predict    DTensor's "no layout propagation" as one line
-  Optimizer.apply_gradients         dense gradients for an optimizer on the mesh
+  Optimizer.apply_gradients         dense gradients for an optimizer on the mesh (an embedding
+                                    table's rows taken out first: tfpod.keras.tables)
+  Model.make_train_function         a model with embedding tables split by rows: tfpod.keras.tables
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ import tf_keras
 from tensorflow.experimental import dtensor
 
 from tfpod import UserError, compat
-from tfpod.keras import compile as compile_lib, export, layers, support
+from tfpod.keras import compile as compile_lib, export, layers, support, tables
 from tfpod.keras.layout_map import KerasSharding, get_values, in_scope, set_values
 
 _ONE_STEP = weakref.WeakKeyDictionary()  # model -> {"predict_function"/"test_function": one-step function}
@@ -76,6 +78,7 @@ def install() -> None:
     normalization.__init__ = _normalization_init(normalization.__init__)
     for cls in (tf_keras.optimizers.Optimizer, compat.legacy_optimizer_class()):
         cls.apply_gradients = _dense_gradients(cls.apply_gradients)
+    model.make_train_function = _table_training(model.make_train_function)
 
 
 def _placing(create):
@@ -140,7 +143,9 @@ def _compiling(compile_fn):
             for key in ("metrics", "weighted_metrics"):
                 if bound.arguments.get(key) is not None:
                     bound.arguments[key] = compile_lib.mesh_metrics(bound.arguments[key], layout_map.mesh)
-            return compile_fn(*bound.args, **bound.kwargs)
+            out = compile_fn(*bound.args, **bound.kwargs)
+            tables.attach(self, self.optimizer, layout_map)  # tables split by rows: sparse lookups and updates
+            return out
 
     return compile
 
@@ -231,8 +236,23 @@ def _dense_gradients(apply_gradients):
     @functools.wraps(apply_gradients)
     def wrapper(self, grads_and_vars, *args, **kwargs):
         if getattr(self, "_tfpod_dense_gradients", False):
-            grads_and_vars = compile_lib.densify(grads_and_vars)
+            grads_and_vars = compile_lib.densify(tables.take_rows(self, grads_and_vars))
         return apply_gradients(self, grads_and_vars, *args, **kwargs)
+
+    return wrapper
+
+
+def _table_training(make_train_function):
+    """Model.make_train_function: a model with embedding tables split by rows trains through
+    tfpod.keras.tables (each step's lookups and sparse updates around Keras's train_step)."""
+
+    @functools.wraps(make_train_function)
+    def wrapper(self, force=False):
+        if not tables.has_tables(self):
+            return make_train_function(self, force)
+        if self.train_function is None or force:
+            self.train_function = tables.make_train_function(self)
+        return self.train_function
 
     return wrapper
 

@@ -19,10 +19,12 @@ trace, `tfpod.keras.support`, names it if it still uses an unsupported kernel).
                        variables are not initialized then): read in each call;
                        swapped when made under tfpod.sharding, not at compile
   Embedding            with its table's rows split over a mesh axis (DTensor's gather
-                       needs whole rows): a one-hot matmul; Model Garden's
-                       OnDeviceEmbedding is switched to its own one-hot mode
+                       needs whole rows): in `fit` a tfpod.embedding table, each
+                       device looking up and updating only its own rows
+                       (tfpod.keras.tables); in evaluate and predict a one-hot matmul;
+                       Model Garden's OnDeviceEmbedding is switched to its own one-hot mode
 
-Every Embedding's sparse gradient is made dense before the optimizer (DTensor cannot
+Other Embeddings' sparse gradients are made dense before the optimizer (DTensor cannot
 lay out the scatter of a sparse update): see `tfpod.keras.compile.mesh_optimizer`.
 """
 
@@ -32,7 +34,7 @@ import numpy as np
 import tensorflow as tf
 import tf_keras
 
-from tfpod import compat, fused, partitioning
+from tfpod import compat, embedding, fused, partitioning
 from tfpod.keras.layout_map import is_dvariable, set_values
 
 
@@ -210,6 +212,22 @@ class OneHotEmbedding(tf_keras.layers.Embedding):
         return tf.cast(out, self.compute_dtype)
 
 
+@tf_keras.saving.register_keras_serializable(package="tfpod")
+class TableEmbedding(OneHotEmbedding, embedding.TableLayer):
+    """Keras's Embedding with its rows split over a mesh axis, trained as a tfpod.embedding table:
+    in `fit` (tfpod.keras.tables) each device looks up and updates only its own rows, the
+    gradient is rows, never a dense table; `evaluate` and `predict` run the one-hot matmul."""
+
+    combiner = None  # one row per id, as Keras's
+    source = None  # the model input holding its ids (tfpod.keras.tables.attach)
+
+    def call(self, inputs):
+        scope = embedding.layer.active_scope()
+        if scope is not None and id(self) in scope.partials:
+            return tf.cast(embedding.layer.from_partials(self, tf.cast(inputs, tf.int32), scope), self.compute_dtype)
+        return super().call(inputs)
+
+
 STAND_INS = {
     tf_keras.layers.DepthwiseConv2D: DepthwiseConv2D,
     tf_keras.layers.DepthwiseConv1D: DepthwiseConv1D,
@@ -234,7 +252,7 @@ def use_mesh_layers(model: tf_keras.layers.Layer) -> list[str]:
             layer.__class__ = GroupedConv2D
             swapped.append(layer.name)
         elif type(layer) is tf_keras.layers.Embedding and partitioning.rows_split(layer.embeddings):
-            layer.__class__ = OneHotEmbedding
+            layer.__class__ = TableEmbedding  # (tfpod.embedding's sparse lookups and updates in fit)
             swapped.append(layer.name)
         elif type(layer).__name__ == "OnDeviceEmbedding" and partitioning.rows_split(layer.embeddings):
             compat.set_one_hot(layer, True)  # Model Garden's own one-hot lookup
