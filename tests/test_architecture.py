@@ -32,7 +32,7 @@ def test_every_model_implements_the_task_contract_and_declares_its_capabilities(
         assert task.skips_corrupt == ("skip_corrupt" in {f.name for f in dataclasses.fields(task.data_config_class)}), name
     assert {n for n, t in TASKS.items() if t.pipelines} == {"gpt", "moe", "llama", "bert"}
     assert isinstance(TASKS["moe"], type(TASKS["gpt"]))  # MoE reuses GPT by subclassing
-    with pytest.raises(UserError, match=r"experiment.model='gtp' is not a model: use one of bert, gpt, llama, moe"):
+    with pytest.raises(UserError, match=r"experiment.model='gtp' is not a model: use one of bert, dlrm, gpt, llama, moe"):
         get_task("gtp")
 
 
