@@ -18,7 +18,7 @@ calls tf_keras's own method for every other model:
   Model.fit / evaluate / predict    DTensor's "no layout propagation" as one line
   Optimizer.apply_gradients         dense gradients for an optimizer on the mesh (an embedding
                                     table's rows taken out first: tfpod.keras.tables)
-  Model.make_train_function         a model with embedding tables split by rows: tfpod.keras.tables
+  Model.make_*_function             a model with embedding tables split by rows: tfpod.keras.tables
 """
 
 from __future__ import annotations
@@ -78,7 +78,9 @@ def install() -> None:
     normalization.__init__ = _normalization_init(normalization.__init__)
     for cls in (tf_keras.optimizers.Optimizer, compat.legacy_optimizer_class()):
         cls.apply_gradients = _dense_gradients(cls.apply_gradients)
-    model.make_train_function = _table_training(model.make_train_function)
+    for kind in ("train", "test", "predict"):
+        name = f"make_{kind}_function"
+        setattr(model, name, _table_steps(getattr(model, name), kind))
 
 
 def _placing(create):
@@ -242,17 +244,19 @@ def _dense_gradients(apply_gradients):
     return wrapper
 
 
-def _table_training(make_train_function):
-    """Model.make_train_function: a model with embedding tables split by rows trains through
-    tfpod.keras.tables (each step's lookups and sparse updates around Keras's train_step)."""
+def _table_steps(make_function, kind: str):
+    """Model.make_{train,test,predict}_function: a model with embedding tables split by rows
+    runs its steps through tfpod.keras.tables (each step's lookups, and in training its
+    sparse updates, around Keras's own step)."""
+    attr = f"{kind}_function"
 
-    @functools.wraps(make_train_function)
+    @functools.wraps(make_function)
     def wrapper(self, force=False):
         if not tables.has_tables(self):
-            return make_train_function(self, force)
-        if self.train_function is None or force:
-            self.train_function = tables.make_train_function(self)
-        return self.train_function
+            return make_function(self, force)
+        if getattr(self, attr) is None or force:
+            setattr(self, attr, tables.make_function(self, kind))
+        return getattr(self, attr)
 
     return wrapper
 

@@ -19,9 +19,9 @@ trace, `tfpod.keras.support`, names it if it still uses an unsupported kernel).
                        variables are not initialized then): read in each call;
                        swapped when made under tfpod.sharding, not at compile
   Embedding            with its table's rows split over a mesh axis (DTensor's gather
-                       needs whole rows): in `fit` a tfpod.embedding table, each
-                       device looking up and updating only its own rows
-                       (tfpod.keras.tables); in evaluate and predict a one-hot matmul;
+                       needs whole rows): a tfpod.embedding table, each device
+                       looking up and updating only its own rows (tfpod.keras.tables;
+                       where that path cannot run, a one-hot matmul);
                        Model Garden's OnDeviceEmbedding is switched to its own one-hot mode
 
 Other Embeddings' sparse gradients are made dense before the optimizer (DTensor cannot
@@ -214,9 +214,10 @@ class OneHotEmbedding(tf_keras.layers.Embedding):
 
 @tf_keras.saving.register_keras_serializable(package="tfpod")
 class TableEmbedding(OneHotEmbedding, embedding.TableLayer):
-    """Keras's Embedding with its rows split over a mesh axis, trained as a tfpod.embedding table:
-    in `fit` (tfpod.keras.tables) each device looks up and updates only its own rows, the
-    gradient is rows, never a dense table; `evaluate` and `predict` run the one-hot matmul."""
+    """Keras's Embedding with its rows split over a mesh axis, as a tfpod.embedding table: in
+    fit, evaluate and predict (tfpod.keras.tables) each device looks up (and updates) only its
+    own rows, the gradient is rows, never a dense table; a model that path cannot run keeps
+    the one-hot matmul."""
 
     combiner = None  # one row per id, as Keras's
     source = None  # the model input holding its ids (tfpod.keras.tables.attach)

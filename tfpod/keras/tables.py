@@ -15,7 +15,7 @@ tfpod's trainer does (tfpod.embedding.training):
      taken out, gathered, de-duplicated and returned, and the optimizer applies the rest;
   3. every device updates its rows and slots in place (Tables.apply).
 
-evaluate and predict run the layer's one-hot matmul (the same function, no sparse path).
+evaluate and predict look up the same way (one step per call), without the update.
 """
 
 from __future__ import annotations
@@ -91,12 +91,14 @@ def _ids(x, index: int, names):
     return x
 
 
-def make_train_function(model):
-    """fit's train function for a model with tables: each of steps_per_execution steps a
-    lookup, Keras's train_step compiled on the mesh, and the tables' update (module docstring)."""
+def make_function(model, kind: str):
+    """fit's train function (kind "train"), or evaluate's ("test") or predict's ("predict"),
+    for a model with tables: each step a lookup, Keras's own step compiled on the mesh in
+    the lookup scope, and in training the tables' update (module docstring). Training runs
+    steps_per_execution steps per call, evaluate and predict one (as tfpod.keras.hooks)."""
     tables, sources = _TABLES[model]
     names = model.input_names
-    steps = int(compat.steps_per_execution(model).numpy())
+    steps = int(compat.steps_per_execution(model).numpy()) if kind == "train" else 1
     spread = {}
 
     def replicated(values):
@@ -107,27 +109,30 @@ def make_train_function(model):
                                                   for v in vs])
         return [dtensor.unpack(v)[0] for v in spread[key](list(values))]
 
+    keras_step = {"train": model.train_step, "test": model.test_step, "predict": model.predict_step}[kind]
+
     @tf.function
     def step(data, partials):
         scope = tables.scope(partials)
-        scope.sparse_rows = []
+        scope.sparse_rows = [] if kind == "train" else None
         with layer_lib.lookup_scope(scope):
-            logs = model.train_step(data)
-        rows, hyper = scope.sparse_rows
-        return logs, rows, hyper
+            out = keras_step(data)
+        return (out, *scope.sparse_rows) if kind == "train" else out
 
-    def train_function(iterator):
-        logs = None
+    def function(iterator):
+        out = None
         for _ in range(steps):
             data = iterator.get_next()
             x, _, _ = tf_keras.utils.unpack_x_y_sample_weight(data)
             ids = replicated([_ids(x, sources[t.name], names) for t in tables.tables])
             partials = tables.lookup_ids(tables.shaped_ids(ids))
-            logs, rows, hyper = step(data, partials)
+            if kind != "train":
+                return step(data, partials)
+            out, rows, hyper = step(data, partials)
             tables.apply(rows, hyper)
-        return logs
+        return out
 
-    return train_function
+    return function
 
 
 def take_rows(optimizer, grads_and_vars) -> list:
