@@ -111,7 +111,8 @@ def test_criteo_files_read_per_host_once_with_a_checkpointed_position(tmp_path):
 def test_two_hosts_evaluate_every_example_once_and_the_served_model_agrees(tmp_path):
     """Trained on Criteo-format files on one host (data:2,model:2), the checkpoint evaluates on 2
     hosts x 2 devices to the same exact AUC over the same examples; the exported SavedModel,
-    fed the raw features, gives probabilities whose sklearn AUC is the run's."""
+    fed the raw features, gives probabilities whose sklearn AUC is the run's; the 2 hosts then
+    train on (each reading its own rows, the tables' ids gathered across them)."""
     from sklearn.metrics import roc_auc_score
 
     paths, data = write_days(tmp_path / "data", rows=(256, 256, 200))
@@ -140,6 +141,12 @@ def test_two_hosts_evaluate_every_example_once_and_the_served_model_agrees(tmp_p
     features.update({f"cat_{t}": tf.constant(data[2][f"cat_{t}"][rows]) for t in range(3)})
     probabilities = served(**features)["probabilities"].numpy()
     assert roc_auc_score(data[2]["labels"][rows], probabilities) == pytest.approx(single["auc"], abs=1e-6)
+    # and 2 more steps trained on the 2 hosts (each reading its own rows; the tables' ids gathered across them)
+    command = [a.replace("--mode=eval", "--mode=train").replace("train.steps=4", "train.steps=6") for a in command]
+    proc = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    trained = losses(model_dir)
+    assert sorted(trained)[-2:] == [5, 6] and all(np.isfinite(v) for v in trained.values())
 
 
 @pytest.mark.unit
