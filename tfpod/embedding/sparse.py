@@ -36,19 +36,12 @@ class Rows:
     """A table's gradient as rows: `values[i]` is the gradient of row `ids[i]`.
 
     Attributes:
-      ids: int32 [n]; -1 (or any id outside the table) contributes nothing.
-      values: [n, width], zero where the id is padding.
+      ids: int32 [n]; -1 contributes nothing.
+      values: [n, width].
     """
 
     ids: tf.Tensor
     values: tf.Tensor
-
-    @staticmethod
-    def concat(parts: Sequence["Rows"]) -> "Rows":
-        """One Rows of several (a table used twice in a step: its rows from each use)."""
-        if len(parts) == 1:
-            return parts[0]
-        return Rows(tf.concat([p.ids for p in parts], 0), tf.concat([p.values for p in parts], 0))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,7 +95,7 @@ def rule_for(optimizer, variable) -> SparseRule:
                     "(with or without momentum), adagrad or adamw (lazy Adam on the tables)")
 
 
-def dedupe(rows: Rows, count: int | None = None) -> Rows:
+def dedupe(rows: Rows) -> Rows:
     """`rows` with repeated ids summed: each distinct id once, in increasing order, then
     empty entries (id EMPTY, values 0) up to the input's length.
 
@@ -110,11 +103,10 @@ def dedupe(rows: Rows, count: int | None = None) -> Rows:
     sums), so it runs inside the compiled step on replicated tensors; O(n log n) in the ids.
 
     Args:
-      rows: ids [n] (negative: padding) and values [n, width].
-      count: n when the shape is dynamic (None: the static shape's).
+      rows: ids [n] (negative: padding) and values [n, width], n static.
     """
     ids = tf.reshape(rows.ids, [-1])
-    n = count or ids.shape[0]
+    n = ids.shape[0]
     if n == 0:
         return Rows(ids, rows.values)
     keys = tf.where(ids < 0, tf.constant(EMPTY, ids.dtype), ids)
