@@ -27,7 +27,7 @@ import tensorflow as tf
 import tf_keras
 from tensorflow.experimental import dtensor
 
-from tfpod import UserError
+from tfpod import UserError, compat
 
 COMBINERS = (None, "sum", "mean")
 _ACTIVE = threading.local()
@@ -131,7 +131,7 @@ def from_partials(layer: TableLayer, ids, scope: LookupScope) -> tf.Tensor:
     valid = ids >= 0  # [batch, hot]
     count = tf.maximum(tf.reduce_sum(tf.cast(valid, tf.float32), axis=1), 1.0)  # [batch]
     mean = pooled and layer.combiner == "mean"
-    table = layer.embeddings
+    table = compat.inner_variable(layer.embeddings)  # (under mixed precision: not a cast of the whole table)
     shape = table.shape.as_list()
 
     @tf.custom_gradient
@@ -194,8 +194,8 @@ class Embedding(TableLayer, tf_keras.layers.Layer):
     def call(self, ids):
         scope = active_scope()
         if scope is not None and id(self) in scope.partials:
-            return from_partials(self, ids, scope)
-        return lookup(self.embeddings, ids, self.combiner)
+            return tf.cast(from_partials(self, ids, scope), self.compute_dtype)
+        return tf.cast(lookup(self.embeddings, ids, self.combiner), self.compute_dtype)
 
     def compute_output_shape(self, input_shape):
         input_shape = tf.TensorShape(input_shape)
