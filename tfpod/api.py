@@ -308,7 +308,7 @@ def run(gin_files: list[str], gin_params: list[str], model_dir: str, mode: str =
     """
     from tfpod import goodput
 
-    goodput.mark_launch()  # main.py marked the process start already
+    goodput.mark_launch()  # main.py marked the launch's start already
     if not model_dir:
         raise UserError("--model_dir is required: the folder for checkpoints, config.gin and metrics")
     if mode not in MODES:
