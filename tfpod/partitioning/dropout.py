@@ -12,6 +12,7 @@ one mesh, see docs/benchmarks.md); the hash gives every mesh and layout one devi
 from __future__ import annotations
 
 import functools
+import math
 import zlib
 from typing import Sequence
 
@@ -63,8 +64,8 @@ def _fmix(x: tf.Tensor) -> tf.Tensor:
     return tf.bitwise.bitwise_xor(x, tf.bitwise.right_shift(x, tf.constant(16, tf.uint32)))
 
 
-def counter_uniform(seed, shape: Sequence[int]) -> tf.Tensor:
-    """Float32 uniforms in [0, 1) of the static `shape`, drawn from `seed` ([2] int64) by a
+def counter_bits(seed, shape: Sequence[int]) -> tf.Tensor:
+    """Uniform uint32 bits of the static `shape`, drawn from `seed` ([2] int64) by a
     counter-based hash: element (i0, ..., ik) is fmix(... fmix(fmix(key + i0 * G) + i1 * G)
     ... + ik * G), with `key` a hash of the seed. No random op: each device computes the
     elements it holds, and they equal one device's whatever the mesh and the layout
@@ -80,6 +81,12 @@ def counter_uniform(seed, shape: Sequence[int]) -> tf.Tensor:
         # (tf.reshape, not x[:, None]: a strided slice that adds an axis fails under DTensor)
         index = tf.cast(tf.reshape(tf.range(size), [size if j == i else 1 for j in range(rank)]), tf.uint32)
         bits = _fmix(bits + index * tf.constant(_GOLDEN, tf.uint32))  # grows to shape[:i + 1]
+    return bits
+
+
+def counter_uniform(seed, shape: Sequence[int]) -> tf.Tensor:
+    """Float32 uniforms in [0, 1) of `shape`: `counter_bits`' top 24 bits."""
+    bits = counter_bits(seed, shape)
     return tf.cast(tf.bitwise.right_shift(bits, tf.constant(8, tf.uint32)), tf.float32) * (2.0 ** -24)
 
 
@@ -92,7 +99,9 @@ def _dropout(seed_fn, inputs: tf.Tensor, rate, noise_shape=None) -> tf.Tensor:
         [d if d is not None else inputs.shape[i] for i, d in enumerate(noise_shape)])
     if not shape.is_fully_defined():
         return tf.nn.experimental.stateless_dropout(inputs, rate, seed=seed_fn(), noise_shape=noise_shape)
-    keep = tf.cast(counter_uniform(seed_fn(), shape.as_list()) >= rate, inputs.dtype)
+    # keep where uniform >= rate, the uniform being the bits' top 24 over 2^24 (as counter_uniform)
+    threshold = tf.constant(min(2 ** 32 - 1, math.ceil(rate * 2 ** 24) << 8), tf.uint32)
+    keep = tf.cast(counter_bits(seed_fn(), shape.as_list()) >= threshold, inputs.dtype)
     active = active_context()
     if active is not None and tf.executing_eagerly():  # (traced, DTensor lays the mask out where it is used)
         keep = dtensor.copy_to_mesh(keep, dtensor.Layout.replicated(active.mesh, shape.rank))
