@@ -100,7 +100,31 @@ AXIS_RULES = (
 )
 
 
-class GPT(tf_keras.Model):
+class DecoderLM(tf_keras.Model):
+    """What GPT's task, its pipeline cut (`staged`), generation (models/decoding.py) and serving
+    use of a decoder-only LM: GPT, MoELM (a subclass) and Llama implement it.
+
+      blocks                          the transformer blocks, in order
+      embed_inputs(features, training) -> x [batch, length, embed]
+      block_and_aux(block, x, context, training) -> (x, the block's aux loss or None)
+      final_hidden(x) -> the final norm's output
+      output_table() -> the output layer's [vocab, embed] table
+      stage_layers() -> (layers a pipeline's first stage holds besides its blocks, the last's)
+      decode(ids, positions, caches) -> one step of cached generation
+
+    `output_logits` (the output table's float32 logits) is shared.
+    """
+
+    def output_logits(self, x: tf.Tensor) -> tf.Tensor:
+        """Float32 logits [batch, length, vocab] of x [batch, length, embed] (the output table's)."""
+        table = tf.cast(self.output_table(), x.dtype)  # [vocab, embed]
+        flat = context.flat_tokens(x, x.shape[-1])  # [batch * length, embed]
+        logits = context.token_matmul(flat, table, transpose_b=True)  # [batch * length, vocab]
+        logits = tf.reshape(logits, leading_dims(x, 2) + [self.config.vocab_size])
+        return tf.cast(logits, tf.float32)
+
+
+class GPT(DecoderLM):
     """Causal LM: token ids [batch, length] -> logits [batch, length, vocab]."""
 
     def __init__(self, config: GPTConfig, name: str = "gpt"):
@@ -203,14 +227,6 @@ class GPT(tf_keras.Model):
     def stage_layers(self) -> tuple[tuple, tuple]:
         """(the layers a pipeline's first stage holds besides its blocks, the last stage's)."""
         return (self.token_embedding, self.position_embedding), (self.final_norm,)
-
-    def output_logits(self, x: tf.Tensor) -> tf.Tensor:
-        """Float32 logits [batch, length, vocab] of x [batch, length, embed] (the output table's)."""
-        table = tf.cast(self.output_table(), x.dtype)  # [vocab, embed]
-        flat = context.flat_tokens(x, x.shape[-1])  # [batch * length, embed]
-        logits = context.token_matmul(flat, table, transpose_b=True)  # [batch * length, vocab]
-        logits = tf.reshape(logits, leading_dims(x, 2) + [self.config.vocab_size])
-        return tf.cast(logits, tf.float32)
 
 
 def choose_lookup(layer):
