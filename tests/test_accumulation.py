@@ -23,6 +23,7 @@ import pytest
 from conftest import device_mesh, make_run
 from tfpod import optimizers
 from tfpod.controller import TrainConfig
+from tfpod.executor import OneMesh
 from tfpod.models import bert, gpt, moe, resnet, ssd, transformer
 from tfpod.task import LossTerms
 
@@ -76,7 +77,7 @@ def test_microbatches_give_the_unsplit_batchs_losses(tmp_path, name):
     run, split = train(task, config, microbatches, tmp_path / "split")
     assert len(whole) == len(split) == 2 and whole[0] != whole[1]
     np.testing.assert_allclose(split, whole, rtol=1e-5)
-    assert run.trainer.traces == 1 and run.trainer.pipeline is None  # one compiled loop: steps_per_loop holds
+    assert run.trainer.traces == 1 and isinstance(run.trainer.executor, OneMesh)  # one compiled loop: steps_per_loop holds
 
 
 def test_recomputed_blocks_replay_each_microbatchs_dropout_masks(tmp_path):
