@@ -3,16 +3,17 @@ stage sub-meshes.
 
 The trainer's compiled step calls `loss_and_gradients` and ends it in the one update every
 model's step ends in (tfpod.optimizers.Update.step, with the stages' `homes`: norm,
-clipping, finiteness, each stage updating its own weights). Every (stage, microbatch) forward runs under its own GradientTape on its
-stage's mesh; its output is copied to the next stage (`stages.to_mesh`), and its
-backward is that tape's gradient given the next stage's input gradient, so the backward
-reuses the forward's activations. DTensor splits the function into one program per mesh
-that run concurrently and exchange the copies, so a stage computes while the others do;
-what orders a stage's own actions is the schedule: each action's entry tensor (a
-forward's input, a backward's incoming gradient) waits on the previous action of that
-stage (`after`: a data dependency), so under 1F1B the next forward cannot start, and
-allocate, before the backward that frees a microbatch. Gradients accumulate over the
-microbatches as on one mesh (tfpod.executor.Accumulation), in the schedule's order.
+clipping, finiteness, each stage updating its own weights). Every (stage, microbatch)
+forward runs under its own GradientTape on its stage's mesh; its output is copied to the
+next stage (`stages.to_mesh`), and its backward is that tape's gradient given the next
+stage's input gradient, so the backward reuses the forward's activations. DTensor splits the
+function into one program per mesh that run concurrently and exchange the copies, so a stage
+computes while the others do; what orders a stage's own actions is the schedule: each
+action's entry tensor (a forward's input, a backward's incoming gradient) waits on the
+previous action of that stage (`after`: a data dependency), so under 1F1B the next forward
+cannot start, and allocate, before the backward that frees a microbatch. Gradients
+accumulate over the microbatches as on one mesh (tfpod.executor.Accumulation), in the
+schedule's order.
 
 A pipelined step spans the stages' meshes, which DTensor cannot carry through a while
 loop ("CopyToMesh acrosses Clusters should have been lowered to DTensorSend/DTensorRecv");
@@ -106,7 +107,6 @@ class Pipeline(Executor):
 
     def __init__(self, task: Task, placement: Placement, microbatches: int = 1, schedule: str = "gpipe"):
         super().__init__(task, placement, microbatches)
-        self.loss_counts = task.loss_counts
         self.num_stages = p = placement.num_stages
         self.meshes = [placement.stage(s).mesh for s in range(p)]
         self.order = [(s, action) for _, s, action in schedules.timeline(schedules.schedule(schedule, p, microbatches))]
@@ -205,7 +205,7 @@ class Pipeline(Executor):
         staged, p, m = self.staged, self.num_stages, self.microbatches
         last = p - 1
         with self.placement.stage_activations(last):
-            accumulation = Accumulation(self.loss_counts, [stage_batches[last][i] for i in range(m)])
+            accumulation = Accumulation(self.task.loss_counts, [stage_batches[last][i] for i in range(m)])
         tapes, inputs, outputs, objectives, input_grads = {}, {}, {}, {}, {}
         grads = [None] * len(self.variables)
         previous = [[] for _ in range(p)]  # what the stage's last action produced
