@@ -24,7 +24,7 @@ LAYERS = [
                                     "tfpod.memory_checkpoint", "tfpod.peer_link",
                                     "tfpod.checkpoint_writer"),
      "planner": ("tfpod.plan",)},
-    {"trainer and pipeline": ("tfpod.trainer", "tfpod.train_state", "tfpod.pipeline"), "models": ("tfpod.models",)},
+    {"trainer and pipeline": ("tfpod.trainer", "tfpod.executor", "tfpod.train_state", "tfpod.pipeline"), "models": ("tfpod.models",)},
     {"task contract": ("tfpod.task", "tfpod.lora")},
     {"input": ("tfpod.input",)},
     {"partitioning and the runtime": ("tfpod.partitioning", "tfpod.optimizers", "tfpod.fused", "tfpod.attention", "tfpod.attention_layers",

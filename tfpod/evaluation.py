@@ -132,21 +132,19 @@ def host_sum(values, mesh: dtensor.Mesh) -> np.ndarray:
     return dtensor.unpack(reduced)[0].numpy()
 
 
-def make_eval_step(forward: Callable, metric: Metric, model_inputs: Callable[[Mapping], object],
-                   metric_batch: Callable[[object], Mapping] = lambda b: b):
+def make_eval_step(forward: Callable[[Mapping], tuple], metric: Metric):
     """The compiled eval step: forward pass and the metric's sums, reduced over the mesh.
 
     Args:
-      forward: model inputs -> outputs (the model called with training=False).
+      forward: packed batch -> (the model's outputs, training=False; the features the
+        metric reads): the executor's eval forward (tfpod.executor.Executor.eval_forward).
       metric: the metric.
-      model_inputs: batch -> the model's inputs.
-      metric_batch: batch -> the features the metric reads (a pipeline's: the last stage's).
     """
 
     @tf.function(autograph=False)
     def eval_step(batch):
-        outputs = forward(model_inputs(batch))
-        sums = metric.update(tf.cast(outputs, tf.float32), metric_batch(batch))
+        outputs, features = forward(batch)
+        sums = metric.update(tf.cast(outputs, tf.float32), features)
         return {k: tf.cast(v, tf.float64) for k, v in sums.items()}
 
     return eval_step
