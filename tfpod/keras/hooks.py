@@ -15,7 +15,8 @@ calls tf_keras's own method for every other model:
   Model.get_weights / set_weights   gathered to / scattered from host arrays
   Model.save          the unsharded copy's files (tfpod.keras.export)
   Model.evaluate / predict          one step per host call; predict's outputs gathered
-  Model.fit / evaluate / predict    DTensor's "no layout propagation" as one line
+  Model.fit / evaluate / predict    traced with the sharding's attention (its `attention=`);
+                                    DTensor's "no layout propagation" as one line
   Optimizer.apply_gradients         dense gradients for an optimizer on the mesh
 """
 
@@ -30,7 +31,7 @@ import tensorflow as tf
 import tf_keras
 from tensorflow.experimental import dtensor
 
-from tfpod import UserError, compat
+from tfpod import UserError, attention, compat
 from tfpod.keras import compile as compile_lib, export, layers, support
 from tfpod.keras.layout_map import KerasSharding, get_values, in_scope, set_values
 
@@ -205,17 +206,20 @@ def _outside_the_scope(model, what: str) -> None:
 
 
 def _translating(method):
-    """Wraps Model.fit / evaluate / predict: on a sharded model, an op DTensor cannot lay out
-    (found when the step compiles) is one UserError line (`support.translate`); called inside
-    `with tfpod.sharding(...)`, it is refused (`_outside_the_scope`)."""
+    """Wraps Model.fit / evaluate / predict: on a sharded model, its steps are traced in a
+    context holding the sharding's attention (tfpod.attention.using); an op DTensor cannot
+    lay out (found when the step compiles) is one UserError line (`support.translate`);
+    called inside `with tfpod.sharding(...)`, it is refused (`_outside_the_scope`)."""
 
     @functools.wraps(method)
     def wrapper(self, *args, **kwargs):
-        if _sharding_of(self) is None:
+        layout_map = _sharding_of(self)
+        if layout_map is None:
             return method(self, *args, **kwargs)
         _outside_the_scope(self, method.__name__)
         try:
-            return method(self, *args, **kwargs)
+            with attention.using(layout_map.attention):
+                return method(self, *args, **kwargs)
         except tf.errors.OpError as e:
             translated = support.translate(e, self.name)
             if translated is None:
