@@ -166,6 +166,7 @@ def controller(task, model_config, train_config, optimizer_config, placement, mo
     """A Trainer (the model and optimizer on the mesh, the compiled steps) and its Controller
     (`data_config`: the task's, for its host-side eval metrics; `schedule`: a pipeline's;
     `actions`: the run's own, tfpod.actions.Action)."""
+    from tfpod import attention
     from tfpod.controller import Controller
     from tfpod.partitioning import check_microbatches
     from tfpod.models import TASKS
@@ -180,10 +181,11 @@ def controller(task, model_config, train_config, optimizer_config, placement, mo
         axis = placement.batch_axis(tuple(next(iter(task.batch_axes().values()))))
         check_microbatches(train_config.global_batch_size, placement.mesh.dim_size(axis) if axis else 1,
                            train_config.microbatches)
-    trainer = Trainer(task, model_config, optimizer_config, placement, total_steps=train_config.steps,
-                      steps_per_loop=train_config.steps_per_loop, precision=train_config.precision,
-                      seed=train_config.seed, data_config=data_config, microbatches=train_config.microbatches,
-                      schedule=schedule)
+    with attention.using(placement.attention):  # the model's build traces it as its steps will
+        trainer = Trainer(task, model_config, optimizer_config, placement, total_steps=train_config.steps,
+                          steps_per_loop=train_config.steps_per_loop, precision=train_config.precision,
+                          seed=train_config.seed, data_config=data_config, microbatches=train_config.microbatches,
+                          schedule=schedule)
     return Controller(trainer, train_config, model_dir, actions)
 
 
