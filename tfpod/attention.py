@@ -55,7 +55,9 @@ from tfpod.partitioning import activations as partitioning_activations, context 
 from tfpod.partitioning.activations import shard
 
 NEG = -1e9  # the additive mask where a query may not attend (as the materialized path's)
-IMPLEMENTATIONS = ("blockwise", "materialized")
+# implementation -> the masks its models pass it: "segments" (segment ids [batch, length] or key
+# masks [batch, 1, S]: `mask_segments`) or "dense" ([batch, Lq, Lk]).
+IMPLEMENTATIONS = {"blockwise": "segments", "materialized": "dense"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,6 +84,11 @@ class AttentionConfig:
         if self.block_size < 1:
             raise UserError(f"attention.block_size={self.block_size} must be at least 1")
 
+    @property
+    def segment_masks(self) -> bool:
+        """Whether models pass this attention segment ids or key masks (else dense masks)."""
+        return IMPLEMENTATIONS[self.implementation] == "segments"
+
 
 DEFAULT = AttentionConfig()
 
@@ -104,7 +111,7 @@ def self_attention_mask(ids: tf.Tensor, segment_ids: tf.Tensor | None, dense) ->
     """What a model's blocks pass their attention for the mask: segment ids [batch, length]
     for blockwise attention ([batch, 1] without packing: one segment, no segment mask), else
     `dense(ids, segment_ids)`, the [batch, length, length] mask."""
-    if current().implementation == "blockwise":
+    if current().segment_masks:
         if segment_ids is None:
             return tf.ones(tf.stack([tf.shape(ids)[0], 1]), tf.int32)
         return tf.cast(segment_ids, tf.int32)
