@@ -65,7 +65,7 @@ def check_positive(config, prefix: str, fields) -> None:
 #   tfpod.run(gin_files, gin_params, model_dir, mode) -> tfpod.api.run (what main.py runs)
 _LAZY = {"make_mesh": ("tfpod.mesh", "make_mesh"), "sharding": ("tfpod.keras", "sharding"),
          "run": ("tfpod.api", "run")}
-_SUBMODULES = ("partitioning", "keras", "mesh", "runtime", "input", "api", "config")
+_SUBMODULES = ("partitioning", "keras", "mesh", "runtime", "input", "api", "config", "actions", "attention")
 
 
 def __getattr__(name):

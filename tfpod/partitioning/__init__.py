@@ -43,7 +43,8 @@ The modules, each usable on its own (this package re-exports their public names)
 """
 
 
-from tfpod.partitioning.activations import activation_sharding, active_context, replicate, shard, split
+from tfpod.partitioning.activations import (activation_sharding, active_context, current_context, replicate, shard,
+                                           split, tracing)
 from tfpod.partitioning import context, spatial, stages
 from tfpod.partitioning.build import (build_sharded, compute_layout, gather_when_used, gathered_weights, rows_split,
                                       lazy_model, update_layout, variable_specs)
@@ -58,6 +59,8 @@ from tfpod.partitioning.rules import (CONTEXT_AXIS, LOGICAL_AXES, AxisRule, Shar
 __all__ = [
     "activation_sharding",
     "active_context",
+    "current_context",
+    "tracing",
     "replicate",
     "shard",
     "split",
