@@ -4,6 +4,7 @@ The flags, gin bindings and modes live in tfpod/main.py (also installed as the
 `tfpod` console script); run with --helpfull for every flag.
 """
 
+import tfpod  # noqa: F401  (first: goodput counts this launch's start-up from here)
 from absl import app
 
 from tfpod.main import main

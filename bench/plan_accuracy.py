@@ -73,7 +73,7 @@ def state_part() -> list:
     for name, gin, params, mesh, preset in MODELS:
         c = _configs(gin, params + [f"sharding.preset='{preset}'"])
         placement = partitioning.Placement.from_config(c.sharding, c.task.default_preset,
-                                                       meshlib.make_stage_meshes(mesh))
+                                                       meshlib.make_stage_meshes(mesh), attention=c.attention)
         t = api.controller(c.task, c.model, c.train, c.optimizer, placement, tempfile.mkdtemp()).trainer
         built = lambda specs, layouts: sum(partitioning.bytes_per_device(s.shape, s.dtype, layouts[s.name])
                                            for s in specs)
@@ -102,7 +102,7 @@ def memory_worker(name: str) -> dict:
     c = _configs(gin, params + ["sharding.preset='data'", "train.steps_per_loop=1"])
     planned = Planner(c, devices.get("h100", 1), 1).plan(Choice("data:1"))
     placement = partitioning.Placement.from_config(c.sharding, c.task.default_preset,
-                                                   meshlib.make_stage_meshes("data:1"))
+                                                   meshlib.make_stage_meshes("data:1"), attention=c.attention)
     run = api.controller(c.task, c.model, c.train, c.optimizer, placement, tempfile.mkdtemp(), c.data)
     trainer = run.trainer
     host = c.task.synthetic_batch(c.model, c.train.global_batch_size, np.random.default_rng(0))

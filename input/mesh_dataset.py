@@ -149,6 +149,34 @@ def to_mesh(dataset: tf.data.Dataset, mesh: dtensor.Mesh, batch_axis: str | None
         an empty dataset, or elements that are not dense tensors with a batch
         dimension.
     """
+    flat_specs = _check(dataset, mesh, batch_axis)
+    static = _batch_size_of(flat_specs)
+    if global_batch_size is None:
+        if per_host:
+            raise UserError("to_mesh(per_host=True) needs global_batch_size (the rows of all hosts' batches together)")
+        global_batch_size = static if static is not None else _first_batch_size(dataset)
+    rows = host_rows(global_batch_size, mesh, batch_axis)
+    expected = rows if per_host else global_batch_size
+    if static is not None and static != expected:
+        raise UserError(
+            f"to_mesh: the dataset's batches have {static} rows but "
+            f"{'this host needs' if per_host else 'the global batch has'} {expected}: batch it with {expected}"
+        )
+    host_batches = _full_batches(dataset, expected, static is None, num_batches)
+    elem_spec = host_batches.element_spec
+    layouts = tf.nest.map_structure(
+        lambda s: dtensor.Layout([batch_axis or dtensor.UNSHARDED] + [dtensor.UNSHARDED] * (s.shape.rank - 1), mesh),
+        elem_spec,
+    )
+    global_spec = tf.nest.map_structure(
+        lambda s: tf.TensorSpec([global_batch_size] + s.shape.as_list()[1:], s.dtype, s.name), elem_spec
+    )
+    devices = _device_datasets(host_batches, mesh, batch_axis, global_batch_size, per_host, prefetch)
+    return MeshDataset(host_batches, mesh, layouts, global_spec, devices)
+
+
+def _check(dataset, mesh: dtensor.Mesh, batch_axis: str | None) -> list:
+    """to_mesh's argument checks; returns the flat element specs."""
     if not isinstance(dataset, tf.data.Dataset):
         raise UserError(f"to_mesh: expected a tf.data.Dataset of batches, got {type(dataset).__name__}")
     if isinstance(dataset, MeshDataset):
@@ -167,48 +195,43 @@ def to_mesh(dataset: tf.data.Dataset, mesh: dtensor.Mesh, batch_axis: str | None
             )
         if s.shape.rank is None or s.shape.rank < 1:
             raise UserError(f"to_mesh: every feature needs a batch dimension, got one of shape {s.shape}")
-    shards = mesh.dim_size(batch_axis) if batch_axis else 1
-    local = local_shards(mesh, batch_axis)
-    static = _batch_size_of(flat_specs)
-    if global_batch_size is None:
-        if per_host:
-            raise UserError("to_mesh(per_host=True) needs global_batch_size (the rows of all hosts' batches together)")
-        global_batch_size = static
-        if global_batch_size is None:
-            first = next(iter(dataset.take(1)), None)
-            if first is None:
-                raise UserError("to_mesh: the dataset is empty")
-            global_batch_size = int(tf.nest.flatten(first)[0].shape[0])
-    rows = host_rows(global_batch_size, mesh, batch_axis)
-    per_shard = global_batch_size // shards
-    expected = rows if per_host else global_batch_size
-    if static is not None and static != expected:
-        raise UserError(
-            f"to_mesh: the dataset's batches have {static} rows but "
-            f"{'this host needs' if per_host else 'the global batch has'} {expected}: batch it with {expected}"
-        )
+    return flat_specs
+
+
+def _first_batch_size(dataset: tf.data.Dataset) -> int:
+    """The rows of the dataset's first batch (read once)."""
+    first = next(iter(dataset.take(1)), None)
+    if first is None:
+        raise UserError("to_mesh: the dataset is empty")
+    return int(tf.nest.flatten(first)[0].shape[0])
+
+
+def _full_batches(dataset: tf.data.Dataset, rows: int, dynamic: bool, num_batches: int | None) -> tf.data.Dataset:
+    """The dataset's batches of `rows` rows with that static shape (with `dynamic` batch shapes a
+    partial last batch is dropped), and a known count (`num_batches`, else counted once)."""
     host_batches = dataset
-    if static is None:
+    if dynamic:
         # Only full batches have the static shape a DTensor needs; a partial last batch is dropped.
-        host_batches = host_batches.filter(lambda *e: tf.equal(tf.shape(tf.nest.flatten(e)[0])[0], expected))
+        host_batches = host_batches.filter(lambda *e: tf.equal(tf.shape(tf.nest.flatten(e)[0])[0], rows))
         host_batches = host_batches.map(lambda *e: tf.nest.map_structure(
-            lambda t: tf.ensure_shape(t, [expected] + t.shape.as_list()[1:]), _element(e)))
+            lambda t: tf.ensure_shape(t, [rows] + t.shape.as_list()[1:]), _element(e)))
     if int(host_batches.cardinality().numpy()) == tf.data.UNKNOWN_CARDINALITY:
         if num_batches is None:
             num_batches = int(host_batches.reduce(np.int64(0), lambda n, _: n + 1).numpy())
             log.info("to_mesh: counted %d full batches of %d rows (one pass over the dataset; pass "
-                     "num_batches= to skip it)", num_batches, expected)
+                     "num_batches= to skip it)", num_batches, rows)
         host_batches = host_batches.apply(tf.data.experimental.assert_cardinality(num_batches))
     if int(host_batches.cardinality().numpy()) == 0:
-        raise UserError(f"to_mesh: the dataset has no full batch of {expected} rows")
-    elem_spec = host_batches.element_spec
-    layouts = tf.nest.map_structure(
-        lambda s: dtensor.Layout([batch_axis or dtensor.UNSHARDED] + [dtensor.UNSHARDED] * (s.shape.rank - 1), mesh),
-        elem_spec,
-    )
-    global_spec = tf.nest.map_structure(
-        lambda s: tf.TensorSpec([global_batch_size] + s.shape.as_list()[1:], s.dtype, s.name), elem_spec
-    )
+        raise UserError(f"to_mesh: the dataset has no full batch of {rows} rows")
+    return host_batches
+
+
+def _device_datasets(host_batches: tf.data.Dataset, mesh: dtensor.Mesh, batch_axis: str | None,
+                     global_batch_size: int, per_host: bool, prefetch: int) -> list:
+    """Each local device's dataset: its rows of every batch (the batch shard it holds)."""
+    shards = mesh.dim_size(batch_axis) if batch_axis else 1
+    local = local_shards(mesh, batch_axis)
+    per_shard = global_batch_size // shards
 
     def rows_from(begin):
         return lambda *e: tf.nest.map_structure(lambda t: t[begin:begin + per_shard], _element(e))
@@ -220,4 +243,4 @@ def to_mesh(dataset: tf.data.Dataset, mesh: dtensor.Mesh, batch_axis: str | None
             shard = loc[batch_axis]
             ds = ds.map(rows_from((local.index(shard) if per_host else shard) * per_shard))
         device_datasets.append(ds.prefetch(prefetch) if prefetch else ds)
-    return MeshDataset(host_batches, mesh, layouts, global_spec, device_datasets)
+    return device_datasets

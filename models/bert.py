@@ -188,7 +188,7 @@ class KeyMask(mg_layers.SelfAttentionMask):
     tokens: tfpod.attention.mask_segments), else Model Garden's [batch, length, length]."""
 
     def call(self, inputs, to_mask=None):
-        if attention.current().implementation == "blockwise":
+        if attention.current().segment_masks:
             return tf.expand_dims(tf.cast(to_mask, inputs.dtype), 1)
         return super().call(inputs, to_mask)
 

@@ -14,7 +14,7 @@ positions are those of the row run alone; padding slots are masked out of every 
 Attention reads the whole cache each step (its length is fixed for the loop), so a new
 token costs the same at every step of a run.
 
-A model decodes through `decode(ids, positions, caches)` (gpt.GPT, llama.Llama): its
+A model decodes through `decode(ids, positions, caches)` (a gpt.DecoderLM): its
 blocks' attention layers, handed a `LayerCache` where they take their mask, call
 `LayerCache.attend(q, k, v)` with this call's queries, keys and values
 [batch, heads, n, head dim] (keys and values rotated as the model does: Llama's rotary)

@@ -28,6 +28,7 @@ import tf_keras
 from official.nlp.modeling import layers as mg_layers
 
 from tfpod import UserError, attention, check_positive, compat, evaluation, fused
+from tfpod.projection import Projection, leading_dims  # noqa: F401  (models use gpt.Projection)
 from tfpod.input import lm_data
 from tfpod.models import lm_head, lm_serving, plan_profiles
 from tfpod.partitioning import AxisRule, context, rows_split, shard
@@ -99,7 +100,31 @@ AXIS_RULES = (
 )
 
 
-class GPT(tf_keras.Model):
+class DecoderLM(tf_keras.Model):
+    """What GPT's task, its pipeline cut (`staged`), generation (models/decoding.py) and serving
+    use of a decoder-only LM: GPT, MoELM (a subclass) and Llama implement it.
+
+      blocks                          the transformer blocks, in order
+      embed_inputs(features, training) -> x [batch, length, embed]
+      block_and_aux(block, x, context, training) -> (x, the block's aux loss or None)
+      final_hidden(x) -> the final norm's output
+      output_table() -> the output layer's [vocab, embed] table
+      stage_layers() -> (layers a pipeline's first stage holds besides its blocks, the last's)
+      decode(ids, positions, caches) -> one step of cached generation
+
+    `output_logits` (the output table's float32 logits) is shared.
+    """
+
+    def output_logits(self, x: tf.Tensor) -> tf.Tensor:
+        """Float32 logits [batch, length, vocab] of x [batch, length, embed] (the output table's)."""
+        table = tf.cast(self.output_table(), x.dtype)  # [vocab, embed]
+        flat = context.flat_tokens(x, x.shape[-1])  # [batch * length, embed]
+        logits = context.token_matmul(flat, table, transpose_b=True)  # [batch * length, vocab]
+        logits = tf.reshape(logits, leading_dims(x, 2) + [self.config.vocab_size])
+        return tf.cast(logits, tf.float32)
+
+
+class GPT(DecoderLM):
     """Causal LM: token ids [batch, length] -> logits [batch, length, vocab]."""
 
     def __init__(self, config: GPTConfig, name: str = "gpt"):
@@ -203,14 +228,6 @@ class GPT(tf_keras.Model):
         """(the layers a pipeline's first stage holds besides its blocks, the last stage's)."""
         return (self.token_embedding, self.position_embedding), (self.final_norm,)
 
-    def output_logits(self, x: tf.Tensor) -> tf.Tensor:
-        """Float32 logits [batch, length, vocab] of x [batch, length, embed] (the output table's)."""
-        table = tf.cast(self.output_table(), x.dtype)  # [vocab, embed]
-        flat = context.flat_tokens(x, x.shape[-1])  # [batch * length, embed]
-        logits = context.token_matmul(flat, table, transpose_b=True)  # [batch * length, vocab]
-        logits = tf.reshape(logits, leading_dims(x, 2) + [self.config.vocab_size])
-        return tf.cast(logits, tf.float32)
-
 
 def choose_lookup(layer):
     """Model Garden's OnDeviceEmbedding `layer`, set to look up by a one-hot matmul when its
@@ -218,52 +235,6 @@ def choose_lookup(layer):
     else by a gather (its own switch); returns the layer."""
     compat.set_one_hot(layer, not layer.built or rows_split(layer.embeddings))
     return layer
-
-
-def leading_dims(x: tf.Tensor, n: int) -> list:
-    """x's first n dimensions: static where known (as DTensor needs), else dynamic (serving)."""
-    return [d if d is not None else tf.shape(x)[i] for i, d in enumerate(x.shape[:n])]
-
-
-def _prod(dims) -> int:
-    n = 1
-    for d in dims:
-        n *= int(d)
-    return n
-
-
-class Projection(tf_keras.layers.Layer):
-    """x [..., *in_dims] -> x @ kernel + bias [..., *out_dims], computed as one 2-D matmul.
-
-    The kernel keeps its logical shape [*in_dims, *out_dims] (e.g. query [embed, heads,
-    kv], the names and shapes of Model Garden's EinsumDense layers, so the sharding rules
-    and checkpoints are theirs), and is reshaped to [prod(in), prod(out)] for the matmul:
-    oneDNN runs a 2-D matmul's gradients (matmuls with transposed operands) faster than
-    the einsums an EinsumDense differentiates into (docs/benchmarks.md).
-    """
-
-    def __init__(self, in_dims, out_dims, kernel_initializer, use_bias: bool = True, **kwargs):
-        super().__init__(**kwargs)
-        self.in_dims, self.out_dims = tuple(in_dims), tuple(out_dims)
-        self.kernel_initializer, self.use_bias = kernel_initializer, use_bias
-
-    def build(self, input_shape):
-        self.kernel = self.add_weight("kernel", self.in_dims + self.out_dims, initializer=self.kernel_initializer)
-        if self.use_bias:
-            self.bias = self.add_weight("bias", self.out_dims, initializer="zeros")
-        super().build(input_shape)
-
-    def call(self, x):
-        lead = x.shape[: x.shape.rank - len(self.in_dims)]
-        n_in, n_out = _prod(self.in_dims), _prod(self.out_dims)
-        flat = context.flat_tokens(x, n_in)  # [tokens, prod(in_dims)]
-        y = context.token_matmul(flat, tf.reshape(self.kernel, [n_in, n_out]))
-        if self.use_bias:
-            y = tf.nn.bias_add(y, tf.reshape(self.bias, [n_out]))
-        return tf.reshape(y, leading_dims(x, len(lead)) + list(self.out_dims))  # [..., *out_dims]
-
-    def get_config(self):
-        return {**super().get_config(), "in_dims": self.in_dims, "out_dims": self.out_dims, "use_bias": self.use_bias}
 
 
 class CausalSelfAttention(tf_keras.layers.Layer):

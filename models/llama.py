@@ -246,9 +246,8 @@ class MLP(tf_keras.layers.Layer):
         return self.down(fused.swiglu(self.gate(x), self.up(x)))
 
 
-class Llama(tf_keras.Model):
-    """Causal LM: token ids [batch, length] -> logits [batch, length, vocab] (gpt.GPT's surface:
-    embed_inputs, blocks, block_and_aux, final_hidden, output_table, output_logits)."""
+class Llama(gpt.DecoderLM):
+    """Causal LM: token ids [batch, length] -> logits [batch, length, vocab] (a gpt.DecoderLM)."""
 
     def __init__(self, config: LlamaConfig, name: str = NAME):
         super().__init__(name=name)
@@ -326,8 +325,6 @@ class Llama(tf_keras.Model):
     def stage_layers(self) -> tuple[tuple, tuple]:
         last = (self.final_norm,) + (() if self.output_embedding is None else (self.output_embedding,))
         return (self.token_embedding,), last
-
-    output_logits = gpt.GPT.output_logits
 
 
 def staged(model: Llama):

@@ -6,6 +6,8 @@ a row longer than the position table, ids outside the vocabulary, or mismatched 
 
 from __future__ import annotations
 
+import functools
+
 import tensorflow as tf
 
 from tfpod.input import lm_data
@@ -115,41 +117,58 @@ def serving(model, config, data_config, whole_sequences: bool = False) -> tuple[
     generation decodes each token as a routing group of its own (moe.MoEMLP).
     """
     seq_len = config.seq_len
-
-    def logits_of(ids: tf.Tensor) -> tf.Tensor:
-        """The model's logits [batch, length, vocab] of ids [batch, length <= seq_len]."""
-        if not whole_sequences:
-            return model({"inputs": ids}, training=False)
-        length = tf.shape(ids)[1]
-        padded = tf.ensure_shape(tf.pad(ids, [[0, 0], [0, seq_len - length]]), [None, seq_len])  # [batch, seq_len]
-        return model({"inputs": padded}, training=False)[:, :length]
-
-    @tf.function(input_signature=[tf.TensorSpec([None, None], tf.int32, name="input_ids")])
-    def ids_signature(input_ids):
-        with tf.control_dependencies(id_checks({"input_ids": input_ids},
-                                               {"input_ids": (config.vocab_size, "vocab_size of the model")}, seq_len)):
-            return {"logits": logits_of(tf.identity(input_ids))}
-
     module = tf.Module()
     module.model = model
-    ids = ids_signature.get_concrete_function()
-    eos = data_config.eos  # the run's end-of-document id: generation stops there
+    logits_of = functools.partial(_logits, model, seq_len, whole_sequences)
+    ids = _ids_signature(logits_of, config).get_concrete_function()
     tokenizer = None
     if data_config.format not in ("ids", "rows"):  # else pre-tokenized data: no vocabulary to tokenize with
         from tfpod.input import text as text_lib
 
         tokenizer = module.tokenizer = text_lib.load_tokenizer(lm_data.resolve(data_config).vocab_path)
+    cached = _cached_generate(model, config, data_config.eos, tokenizer)
+    signatures = {"serving_default": ids, "ids": ids, "generate_ids": _generate_ids(cached, config).get_concrete_function()}
+    if tokenizer is None:
+        return module, signatures
+    return module, {**signatures, **_text_signatures(logits_of, cached, tokenizer, data_config, seq_len)}
 
-    def detokenized(ids: tf.Tensor, lengths: tf.Tensor) -> tf.Tensor:
-        """The text [batch] of each row's first `lengths` ids [batch, n]."""
-        return tokenizer.detokenize(tf.RaggedTensor.from_tensor(ids, lengths=lengths))
+
+def _logits(model, seq_len: int, whole_sequences: bool, ids: tf.Tensor) -> tf.Tensor:
+    """The model's logits [batch, length, vocab] of ids [batch, length <= seq_len]."""
+    if not whole_sequences:
+        return model({"inputs": ids}, training=False)
+    length = tf.shape(ids)[1]
+    padded = tf.ensure_shape(tf.pad(ids, [[0, 0], [0, seq_len - length]]), [None, seq_len])  # [batch, seq_len]
+    return model({"inputs": padded}, training=False)[:, :length]
+
+
+def _ids_signature(logits_of, config):
+    """`ids`: input_ids [batch, length] -> logits [batch, length, vocab], the ids checked."""
+
+    @tf.function(input_signature=[tf.TensorSpec([None, None], tf.int32, name="input_ids")])
+    def ids_signature(input_ids):
+        with tf.control_dependencies(id_checks({"input_ids": input_ids},
+                                               {"input_ids": (config.vocab_size, "vocab_size of the model")},
+                                               config.seq_len)):
+            return {"logits": logits_of(tf.identity(input_ids))}
+
+    return ids_signature
+
+
+def _detokenized(tokenizer, ids: tf.Tensor, lengths: tf.Tensor) -> tf.Tensor:
+    """The text [batch] of each row's first `lengths` ids [batch, n]."""
+    return tokenizer.detokenize(tf.RaggedTensor.from_tensor(ids, lengths=lengths))
+
+
+def _cached_generate(model, config, eos: int, tokenizer):
+    """The one generating function every generating signature calls (traced once):
+    decoding.generate on prompts given right-padded [batch, P] with their lengths and stop
+    strings [batch, S] (stop_table's); generation stops at `eos`, the run's end of document."""
+    seq_len = config.seq_len
 
     @tf.function(input_signature=[tf.TensorSpec([None, None], tf.int32), tf.TensorSpec([None], tf.int32),
                                   *OPTIONS, tf.TensorSpec([None, None], tf.string)])
     def cached_generate(right_padded, lengths, max_new_tokens, temperature, top_k, top_p, seed, stops):
-        """decoding.generate on prompts given right-padded [batch, P] with their lengths and stop
-        strings [batch, S] (stop_table's; traced once: every generating signature calls this one
-        function)."""
         batch, prompt = tf.shape(right_padded)[0], tf.shape(right_padded)[1]
         limit = decoding.per_row(max_new_tokens, batch, tf.int32, "max_new_tokens")
         worst = tf.argmax(lengths + limit)
@@ -164,19 +183,26 @@ def serving(model, config, data_config, whole_sequences: bool = False) -> tuple[
         stopped = None
         if tokenizer is not None:
             any_stop = tf.reduce_any(tf.strings.length(stops) > 0)
-            stopped = lambda out, count: tf.cond(any_stop, lambda: first_stop(detokenized(out, count), stops) >= 0,
-                                                 lambda: tf.zeros([batch], tf.bool))
+            stopped = lambda out, count: tf.cond(
+                any_stop, lambda: first_stop(_detokenized(tokenizer, out, count), stops) >= 0,
+                lambda: tf.zeros([batch], tf.bool))
         with tf.control_dependencies(checks):
             # left padding: row i's tokens end at slot P - 1 (slot j reads j - (P - length))
             left = tf.gather(right_padded, (tf.range(prompt)[None, :] + lengths[:, None]) % prompt, batch_dims=1)
             return decoding.generate(model, left, lengths, limit, eos, temperature, top_k, top_p, seed,
                                      kv_heads=getattr(config, "num_kv_heads", None), stopped=stopped)
 
+    return cached_generate
+
+
+def _generate_ids(cached_generate, config):
+    """`generate_ids`: ids in, ids out (clients that tokenize themselves; runs without a vocabulary)."""
+
     @tf.function(input_signature=[tf.TensorSpec([None, None], tf.int32, name="input_ids"),
                                   tf.TensorSpec([None], tf.int32, name="lengths"), *OPTIONS])
     def generate_ids(input_ids, lengths, max_new_tokens, temperature, top_k, top_p, seed):
         checks = id_checks({"input_ids": input_ids}, {"input_ids": (config.vocab_size, "vocab_size of the model")},
-                           seq_len)
+                           config.seq_len)
         checks.append(tf.debugging.Assert(
             tf.reduce_all((lengths >= 1) & (lengths <= tf.shape(input_ids)[1])) & tf.equal(
                 tf.size(lengths), tf.shape(input_ids)[0]),
@@ -185,10 +211,14 @@ def serving(model, config, data_config, whole_sequences: bool = False) -> tuple[
             return cached_generate(tf.identity(input_ids), lengths, max_new_tokens, temperature, top_k, top_p, seed,
                                    tf.fill([tf.shape(input_ids)[0], 1], ""))
 
-    if tokenizer is None:
-        return module, {"serving_default": ids, "ids": ids, "generate_ids": generate_ids.get_concrete_function()}
+    return generate_ids
 
-    start = data_config.prompt_start  # what its documents start with (BOS, or after an EOS)
+
+def _text_signatures(logits_of, cached_generate, tokenizer, data_config, seq_len: int) -> dict:
+    """The signatures on raw strings: serving_default (the next token), generate and sample."""
+    from tfpod.input import text as text_lib
+
+    start, eos = data_config.prompt_start, data_config.eos  # what documents start with (BOS, or after an EOS)
 
     def framed(texts):
         """Each prompt's ids, ragged [batch, pieces], after the run's start id."""
@@ -210,9 +240,10 @@ def serving(model, config, data_config, whole_sequences: bool = False) -> tuple[
         result = cached_generate(ids.to_tensor(0), tf.cast(ids.row_lengths(), tf.int32), *options[:-1], stops)
         before_eos = tf.reduce_sum(tf.cast(tf.equal(tf.cumsum(tf.cast(tf.equal(result["ids"], eos), tf.int32),
                                                               axis=1), 0), tf.int32), axis=1)
-        text = detokenized(result["ids"], tf.minimum(before_eos, result["num_tokens"]))
+        text = _detokenized(tokenizer, result["ids"], tf.minimum(before_eos, result["num_tokens"]))
         cut = first_stop(text, stops)
-        return {**result, "text": tf.strings.substr(text, tf.zeros_like(cut), tf.where(cut >= 0, cut, tf.strings.length(text)))}
+        return {**result, "text": tf.strings.substr(text, tf.zeros_like(cut),
+                                                     tf.where(cut >= 0, cut, tf.strings.length(text)))}
 
     @tf.function(input_signature=[tf.TensorSpec([None], tf.string, name="text"), OPTIONS[0]])
     def generate(texts, max_new_tokens):
@@ -222,9 +253,8 @@ def serving(model, config, data_config, whole_sequences: bool = False) -> tuple[
     def sample(texts, max_new_tokens, temperature, top_k, top_p, seed, stop):
         return sample_texts(texts, max_new_tokens, temperature, top_k, top_p, seed, stop)
 
-    return module, {"serving_default": serving_default.get_concrete_function(),
-                    "generate": generate.get_concrete_function(), "sample": sample.get_concrete_function(),
-                    "generate_ids": generate_ids.get_concrete_function(), "ids": ids}
+    return {"serving_default": serving_default.get_concrete_function(), "generate": generate.get_concrete_function(),
+            "sample": sample.get_concrete_function()}
 
 
 def recomputed_generate(logits_of, seq_len: int, ids: tf.RaggedTensor, max_new_tokens: tf.Tensor) -> tf.Tensor:

@@ -254,7 +254,7 @@ class Seq2SeqTransformer(mg_models.Seq2SeqTransformer):
         ones = tf.ones_like(shifted, tf.float32)[:, :, None]  # [batch, tgt_len, 1]
         causal = tf.linalg.band_part(tf.ones([length, length], tf.float32), -1, 0)  # [tgt_len, tgt_len]
         self_mask = ones * causal[None, :, :]  # [batch, tgt_len, tgt_len]
-        if attention.current().implementation == "blockwise":  # the decoder's self-attention layers are causal
+        if attention.current().segment_masks:  # the decoder's self-attention layers are causal
             self_mask = tf.expand_dims(tf.ones_like(shifted, tf.float32), 1)  # [batch, 1, tgt_len]: no padding
         cross_mask = _key_mask(source_mask, tf.ones_like(shifted, tf.float32))  # [batch, 1 or tgt_len, src_len]
         hidden = self.decoder_layer(x, memory, self_attention_mask=self_mask, cross_attention_mask=cross_mask,
@@ -277,7 +277,7 @@ class Seq2SeqTransformer(mg_models.Seq2SeqTransformer):
 def _key_mask(keys: tf.Tensor, queries: tf.Tensor) -> tf.Tensor:
     """keys [batch, S] (1 for a real token) as the mask of queries [batch, T]: [batch, 1, S] for
     blockwise attention (a key mask, tfpod.attention_layers), else [batch, T, S]."""
-    if attention.current().implementation == "blockwise":
+    if attention.current().segment_masks:
         return tf.expand_dims(keys, 1)
     return tf.expand_dims(queries, 2) * tf.expand_dims(keys, 1)
 

@@ -94,18 +94,21 @@ def launch_command(num_hosts: int, devices_per_host: int, *main_args) -> list[st
             "--", *main_command(*main_args)]
 
 
-def make_run(task, model_config, train_config, optimizer_config, mesh, model_dir, preset=None, **sharding):
+def make_run(task, model_config, train_config, optimizer_config, mesh, model_dir, preset=None, attention=None,
+             actions=(), **sharding):
     """A Controller (with its Trainer) on `mesh` (a spec, with or without pipeline stages, or a
-    Mesh) under `preset` (default: the task's), as main.py builds one; `sharding` are further
-    ShardingConfig fields."""
+    Mesh) under `preset` (default: the task's), as main.py builds one; `attention`: its
+    AttentionConfig (None: the defaults); `actions`: the run's own (tfpod.actions.Action);
+    `sharding` are further ShardingConfig fields."""
     from tfpod import api, partitioning
     from tfpod.mesh import make_stage_meshes
 
     mesh = make_stage_meshes(mesh) if isinstance(mesh, str) else mesh
     config = partitioning.ShardingConfig(preset=preset, **sharding)
-    placement = partitioning.Placement.from_config(config, task.default_preset, mesh, check=False)
+    placement = partitioning.Placement.from_config(config, task.default_preset, mesh, check=False,
+                                                   attention=attention)
     return api.controller(task, model_config, train_config, optimizer_config, placement, str(model_dir),
-                          schedule=config.pipeline_schedule)
+                          schedule=config.pipeline_schedule, actions=actions)
 
 
 def device_mesh(spec: str = "data:1,model:1"):

@@ -23,6 +23,7 @@ import pytest
 from conftest import device_mesh, make_run
 from tfpod import optimizers
 from tfpod.controller import TrainConfig
+from tfpod.executor import OneMesh
 from tfpod.models import bert, gpt, moe, resnet, ssd, transformer
 from tfpod.task import LossTerms
 
@@ -76,7 +77,8 @@ def test_microbatches_give_the_unsplit_batchs_losses(tmp_path, name):
     run, split = train(task, config, microbatches, tmp_path / "split")
     assert len(whole) == len(split) == 2 and whole[0] != whole[1]
     np.testing.assert_allclose(split, whole, rtol=1e-5)
-    assert run.trainer.traces == 1 and run.trainer.pipeline is None  # one compiled loop: steps_per_loop holds
+    assert isinstance(run.trainer.executor, OneMesh)
+    assert run.trainer.traces == 1  # one compiled loop: steps_per_loop holds
 
 
 def test_recomputed_blocks_replay_each_microbatchs_dropout_masks(tmp_path):
@@ -88,3 +90,31 @@ def test_recomputed_blocks_replay_each_microbatchs_dropout_masks(tmp_path):
     _, recomputed = train(gpt.TASK, dataclasses.replace(config, remat=True), 2, tmp_path / "remat")
     assert kept[0] != kept[1]
     np.testing.assert_allclose(recomputed, kept, rtol=1e-6)
+
+
+@pytest.mark.unit
+def test_the_one_update_clips_as_tensorflow_does_and_accumulation_adds_by_variable():
+    """One mesh's clipping (GradientHomes' scale, Update.scaled) is tf.clip_by_global_norm's to the
+    bit, a non-finite norm makes every scale NaN (the step is then skipped), and Accumulation.add
+    adds each gradient to its own variable's entry (None: nothing yet, or nothing to add)."""
+    import tensorflow as tf
+
+    from tfpod.executor import Accumulation
+
+    grads = [tf.constant([[0.3, -1.7], [2.9, 0.01]]), tf.constant([4.1, -0.6, 1e-3])]
+    homes = optimizers.GradientHomes()
+    norm = homes.global_norm(grads)
+    clipped = optimizers.Update.scaled(grads, homes.clip_scales(grads, norm, 0.7))
+    expected, expected_norm = tf.clip_by_global_norm(grads, 0.7)
+    assert norm.numpy() == expected_norm.numpy()
+    for got, want in zip(clipped, expected):
+        np.testing.assert_array_equal(got.numpy(), want.numpy())
+    bad = [grads[0], tf.constant([np.inf, 0.0, 0.0])]
+    assert all(np.isnan(s.numpy()) for s in homes.clip_scales(bad, homes.global_norm(bad), 0.7))
+    assert not homes.all_finite(tf.constant(1.0), homes.global_norm(bad)).numpy()
+
+    a, b, c = tf.constant(1.0), tf.constant(2.0), tf.constant(4.0)
+    total = Accumulation.add([None, a, None], [b, c])
+    assert total[0] is b and total[1].numpy() == 5.0 and total[2] is None
+    total = Accumulation.add(total, [c, None], indices=[2, 0])
+    assert total[2] is c and total[0] is b

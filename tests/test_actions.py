@@ -3,12 +3,15 @@ it do. The whole loop with real checkpoints, rollbacks and SIGTERM is tested in
 test_reliability.py and test_controller.py."""
 
 import json
+import os
 
 import numpy as np
 import pytest
 
-from tfpod import actions, nonfinite
-from tfpod.controller import TrainConfig
+from conftest import device_mesh
+from tfpod import UserError, actions, nonfinite
+from tfpod.api import run
+from tfpod.controller import Controller, TrainConfig
 from tfpod.metrics_writer import MetricsWriter, Throughput
 from tfpod.preemption import Preemption
 
@@ -92,3 +95,53 @@ def test_the_run_record_is_written_once():
     for step in range(3):
         record(outcome(step, [1.0]))
     assert written == [1]
+
+
+def test_a_periodic_condition_says_when_it_is_due_and_when_next():
+    every = actions.Every(4)
+    assert [s for s in range(1, 10) if every.due(s)] == [4, 8]
+    assert (every.next(0), every.next(3), every.next(4)) == (4, 4, 8)
+    each_call = actions.Every()  # after every call, wherever it ends: it cuts no call
+    assert each_call.due(7) and each_call.next(7) is None
+    for bad in (0, -2, 1.5, True):
+        with pytest.raises(UserError, match="must be a whole number of steps, at least 1"):
+            actions.Every(bad)
+
+
+class Steps(actions.Action):
+    """A run's own action, as a user writes one: the steps it ran at."""
+
+    def __init__(self, every=None):
+        super().__init__(every)
+        self.ran = []
+
+    def run(self, outcome):
+        self.ran.append(outcome.end)
+
+
+class Enough(actions.Action):
+    def run(self, outcome):
+        outcome.stop = "enough"
+
+
+def test_a_runs_own_actions_run_at_their_steps_the_calls_end_there_and_a_stop_is_saved(tmp_path):
+    """tfpod.run(..., actions=[...]) on one device (steps_per_loop 4, log_every 4): an action
+    every 3 steps runs at 3 and 6, and the compiled loop's calls end there (an action after
+    every call sees 3, 4, 6); one that stops the run at 6 ends it there with a checkpoint of
+    step 6. Anything else handed as an action, or actions in a mode that trains nothing, is
+    one line."""
+    params = ["gpt.num_layers=1", "gpt.embed_dim=32", "gpt.num_heads=2", "gpt.mlp_dim=64", "gpt.seq_len=16",
+              "gpt.vocab_size=128", "lm_data.vocab_size=128", "train.synthetic_data=True", "train.steps=8", "train.steps_per_loop=4",
+              "train.log_every=4", "train.checkpoint_every=100", "train.global_batch_size=2"]
+    every3, each_call = Steps(3), Steps()
+    out = run(["gin/lm_tiny.gin"], params, str(tmp_path), mesh=device_mesh("data:1"),
+              actions=[every3, each_call, Enough(6)])
+    assert every3.ran == [3, 6] and each_call.ran == [3, 4, 6]
+    assert out["step"] == 6 and len(out["losses"]) == 6 and not out["preempted"]
+    assert os.path.exists(tmp_path / "checkpoints" / "ckpt-6.index")
+    records = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if r["kind"] == "train"] == [4]
+    with pytest.raises(UserError, match="is a function, not a tfpod.actions.Action: subclass it"):
+        Controller(None, TrainConfig(), str(tmp_path), actions=[lambda outcome: None])
+    with pytest.raises(UserError, match="--mode=eval trains nothing"):
+        run(["gin/lm_tiny.gin"], params, str(tmp_path), mode="eval", actions=[Steps()])

@@ -1,6 +1,8 @@
 """Blockwise attention (tfpod.attention) against the materialized score matrix: values and
 gradients, masks from positions and segments, dropout, graph mode and XLA, and whole models."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -108,6 +110,45 @@ def test_bad_settings_are_one_line():
         attention.AttentionConfig(block_size=0)
 
 
+@pytest.mark.unit
+def test_two_steps_of_one_process_attend_each_with_its_placements_implementation():
+    """The implementation is a field of the step context that Placement.compile opens, not of
+    the process: steps of two placements on one device, one materialized and one blockwise
+    (block 8), each trace their own kernel (the mask a GPT block passes it: [batch, length,
+    length] or segment ids [batch, 1]) and attend alike (relative 1e-5), called in turn; an
+    eval step's context (Placement.activations) is the placement's; `using` changes it for a
+    block of a trace, outside any step too; outside every context the defaults apply."""
+    from tfpod import partitioning
+    from tfpod.models import gpt
+
+    mesh = device_mesh("data:1")
+    rng = np.random.default_rng(0)
+    q, k, v = (tf.constant(rng.normal(size=(2, 2, 16, 4)), tf.float32) for _ in range(3))
+    ids = tf.ones([2, 16], tf.int32)
+
+    def step(q, k, v, ids):
+        mask = gpt.attention_mask(ids)
+        return attention.attend(q, k, v, mask, True), tf.shape(mask)
+
+    steps = {impl: partitioning.Placement(mesh, {}, attention=attention.AttentionConfig(impl, 8)).compile(step)
+             for impl in attention.IMPLEMENTATIONS}
+    out = {}
+    for impl in ("materialized", "blockwise", "materialized"):
+        out[impl] = steps[impl](q, k, v, ids)
+        assert steps[impl].experimental_get_tracing_count() == 1
+    assert out["materialized"][1].numpy().tolist() == [2, 16, 16] and out["blockwise"][1].numpy().tolist() == [2, 1]
+    np.testing.assert_allclose(out["blockwise"][0], out["materialized"][0], rtol=1e-5, atol=1e-6)
+    placement = partitioning.Placement(mesh, {}, attention=attention.AttentionConfig("materialized"))
+    with placement.activations():
+        assert attention.current().implementation == "materialized"
+        with attention.using(attention.AttentionConfig(block_size=4)):
+            assert attention.current().block_size == 4 and partitioning.active_context().mesh is mesh
+        assert attention.current().implementation == "materialized"
+    with attention.using(attention.AttentionConfig("materialized")):  # (export, the planner: no mesh)
+        assert attention.current().implementation == "materialized" and partitioning.active_context() is None
+    assert attention.current() == attention.AttentionConfig()
+
+
 def test_a_model_trains_the_materialized_losses_with_blockwise_attention(tmp_path):
     """GPT with packed documents on the Megatron tensor layout, 8 devices: blockwise attention
     (block 32: several blocks a row) gives the materialized path's losses step by step
@@ -120,7 +161,6 @@ def test_a_model_trains_the_materialized_losses_with_blockwise_attention(tmp_pat
         out = run(["gin/lm_tiny.gin"], params + [f"attention.implementation='{impl}'", f"attention.block_size={block}"],
                   str(tmp_path / impl), mesh=device_mesh("data:2,model:4"))
         losses[impl] = out["losses"]
-    attention.use(attention.AttentionConfig())
     np.testing.assert_allclose(losses["blockwise"], losses["materialized"], rtol=1e-5)
 
 
@@ -138,8 +178,7 @@ def test_the_planner_keeps_no_length_squared_term_for_blockwise_attention():
                                       mlp_dim=3072)
     acts = {}
     for impl in attention.IMPLEMENTATIONS:
-        attention.use(attention.AttentionConfig(implementation=impl))
-        plan = Planner(configs("gpt", model, global_batch=64), devices.get("h100"), 8).plan(Choice("data:8", "data"))
+        c = dataclasses.replace(configs("gpt", model, global_batch=64), attention=attention.AttentionConfig(impl))
+        plan = Planner(c, devices.get("h100"), 8).plan(Choice("data:8", "data"))
         acts[impl] = plan["per_device_bytes"]["activations"]
-    attention.use(attention.AttentionConfig())
     assert acts["materialized"] - acts["blockwise"] == 12 * 8 * 12 * 1024 * (1024 - 2) * 4

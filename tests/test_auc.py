@@ -31,7 +31,7 @@ def test_exact_auc_equals_sklearn_with_ties_and_weights():
 
 @pytest.mark.parametrize("spec", ["data:1", "data:8"])
 def test_auc_over_an_eval_set_on_the_mesh_counts_every_example_once(spec):
-    """The eval loop's padded last batch and replicated gathers: the AUC, log loss and count of
+    """The eval loop's padded last batch and gathers of every device's examples: the AUC, log loss and count of
     the real examples, equal to sklearn's on the same probabilities."""
     mesh = device_mesh(spec)
     rng = np.random.default_rng(1)
@@ -43,11 +43,11 @@ def test_auc_over_an_eval_set_on_the_mesh_counts_every_example_once(spec):
     layout = lambda x: dtensor.Layout(["data"] + [dtensor.UNSHARDED] * (x.ndim - 1), mesh)
     to_device = lambda b: {k: dtensor.pack([tf.constant(p) for p in np.split(v, mesh.dim_size("data"))], layout(v))
                            for k, v in b.items()}
-    step = evaluation.make_eval_step(lambda x: x, auc.BINARY, lambda b: b["logits"], mesh=mesh)
+    step = evaluation.make_eval_step(lambda b: (b["logits"], b), auc.BINARY)
     result = evaluation.evaluate(step, host_batches, rows, to_device, mesh, auc.BINARY)
     # the step's own probabilities (its sigmoid kernel may round differently from an eager one)
     outputs = evaluation.run_padded(step, host_batches, rows, to_device, mesh)
-    probabilities = np.concatenate([dtensor.unpack(out[1]["score"])[0].numpy() for out in outputs])[:n]
+    probabilities = np.concatenate([s.numpy() for out in outputs for s in dtensor.unpack(out[1]["score"])])[:n]
     assert result["num_examples"] == n
     assert result["auc"] == pytest.approx(roc_auc_score(labels, probabilities), abs=1e-12)
     bce = -np.mean(labels * np.log(probabilities) + (1 - labels) * np.log(1 - probabilities))

@@ -271,6 +271,46 @@ def test_batch_norm_equals_keras_unfused_batch_norm(precision, tol):
         np.testing.assert_allclose(got, want, rtol=tol, atol=tol)
 
 
+@pytest.mark.parametrize("mean", [100.0, 1000.0])
+def test_batch_norm_float32_gradients_stay_near_float64_for_large_means(mean):
+    """Channels whose mean is large against their spread (raw 0-255 pixels): the float32
+    output and gradients stay as close to float64's (from the same float32 inputs) as
+    autodiff of the same math on centered values, and closer than Keras's unfused form.
+    (Computed as sum(dy * x) - mean * sum(dy) and x * c1 - mean * c1, d x was 4x and
+    d gamma 4x further at mean 100.)"""
+    eps = 1e-3
+    rng = np.random.default_rng(1)
+    x, w = (rng.normal(mean if i == 0 else 0.0, 1.0, size=(8, 12, 12, 8)).astype(np.float32) for i in range(2))
+    gamma, beta = np.linspace(0.5, 1.5, 8, dtype=np.float32), np.linspace(-1, 1, 8, dtype=np.float32)
+
+    def centered(x, g, b):
+        xc = x - tf.reduce_mean(x, [0, 1, 2])
+        return xc * g * tf.math.rsqrt(tf.reduce_mean(tf.square(xc), [0, 1, 2]) + eps) + b
+
+    def keras_unfused(x, g, b):
+        m, v = tf.nn.moments(x, [0, 1, 2])
+        return tf.nn.batch_normalization(x, m, v, b, g, eps)
+
+    def run(fn, dtype):
+        @tf.function
+        def step(x, g, b, w):
+            with fused.scope():  # (every form's ops, forward and backward, marked for XLA when marks are on)
+                with tf.GradientTape() as tape:
+                    tape.watch([x, g, b])
+                    y = fn(x, g, b)
+                    total = tf.reduce_sum(y * w)
+                return [y] + tape.gradient(total, [x, g, b])
+
+        return [t.numpy().astype(np.float64) for t in step(*[tf.constant(a, dtype) for a in (x, gamma, beta, w)])]
+
+    want = run(centered, tf.float64)
+    error = lambda fn: [np.abs(g - r).max() / np.abs(r).max() for g, r in zip(run(fn, tf.float32), want)]
+    ours = error(lambda x, g, b: fused.batch_norm(x, g, b, eps)[0])
+    for name, other in [("centered autodiff", error(centered)), ("Keras unfused", error(keras_unfused))]:
+        for what, e, bound in zip(["y", "d x", "d gamma", "d beta"], ours, other):
+            assert e <= 1.5 * bound + 1e-7, (mean, name, what, e, bound)
+
+
 def test_use_batch_norm_swaps_keras_batch_norm_layers(tmp_path):
     """The swap keeps each layer's weights and names; other layers are left alone; the
     model saves and loads in Keras's format."""

@@ -310,18 +310,21 @@ def test_greedy_tokens_equal_transformers_generate_for_an_imported_model(family,
 
 
 def readme_requests() -> list[dict]:
-    """The JSON bodies of the README's serving requests (its curl lines run by bash with a
-    curl that prints what it would send)."""
+    """The JSON bodies of the serving requests the README and docs/generation.md show (their
+    curl lines run by bash with a curl that prints what it would send)."""
     import json
     import os
     import subprocess
 
-    readme = open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "README.md")).read()
-    block = readme.split("Serving a language model, one request per decoding option")[1].split("```sh\n")[1]
-    block = block.split("```")[0].split("\n", 1)[1]  # the curl lines, after the docker line
-    script = 'curl() { printf "%s\\0" "$2"; }\n' + block
-    bodies = subprocess.run(["bash", "-c", script], capture_output=True, text=True, check=True).stdout
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    readme = open(os.path.join(root, "README.md")).read().split("Serving a language model")[1]
+    docs = open(os.path.join(root, "docs", "generation.md")).read().split("## Requests (TF Serving REST)")[1]
+    bodies = ""
+    for text in (readme, docs):
+        block = text.split("```sh\n")[1].split("```")[0].split("\n", 1)[1]  # the lines after the docker line
+        script = 'curl() { printf "%s\\0" "$2"; }\n' + block
+        bodies += subprocess.run(["bash", "-c", script], capture_output=True, text=True, check=True).stdout
     requests = [json.loads(body) for body in bodies.split("\0") if body.strip()]
-    assert len(requests) == 5
+    assert len(requests) == 6
     return requests
 

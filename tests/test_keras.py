@@ -279,6 +279,9 @@ def test_bad_rules_stop_with_one_line(mesh42):
         tfpod.sharding(mesh42, rules={r"hidden\.kernel": ("embed", "modle")})
     assert "unknown axis 'modle'" in one_line(e) and "(data, model)" in one_line(e)
     with pytest.raises(UserError) as e:
+        tfpod.sharding(mesh42, rules={}, attention="materialized")
+    assert one_line(e).startswith("tfpod.sharding: attention is a str, not a tfpod.attention.AttentionConfig")
+    with pytest.raises(UserError) as e:
         build({r"hidden\.kernel": ("embed",)})
     assert "has rank 2 but rule" in one_line(e)
     with pytest.raises(UserError) as e:

@@ -195,8 +195,8 @@ def test_resume_is_exact_past_corrupt_and_partial_checkpoints(tmp_path, caplog):
     data shards and ckpt-4 corrupted (its checksums fail): the rerun reports and moves aside
     both (neither is written over later), resumes from ckpt-2, and every resumed
     step matches (rel 1e-6). Tensor-parallel on data:2,model:2, with every dropout on: the replicas of a
-    replicated weight stay equal (DTensor's seed reuse once made them drift apart; see
-    partitioning.random_layout), so the checkpoint (one replica) continues the same run."""
+    replicated weight stay equal (DTensor's seed reuse once made them drift apart; the masks are
+    now partitioning.counter_uniform's), so the checkpoint (one replica) continues the same run."""
     model = dict(dropout=0.2, attention_dropout=0.2)
     mesh = device_mesh("data:2,model:2")  # 4 of the 8 devices: replicas over both axes
     straight = train(tmp_path / "full", mesh, steps=8, model=model)

@@ -6,6 +6,13 @@ before TensorFlow is first imported.
 """
 
 import os as _os
+import time as _time
+
+# When this interpreter began, as tfpod can see it (main.py imports tfpod first), and the
+# launcher's start of this process (tfpod.launch sets it; taken here so that no process
+# started from this one inherits it): tfpod.goodput counts a launch's start-up from them.
+IMPORTED = _time.time()
+LAUNCHED = _os.environ.pop("TFPOD_LAUNCH_TIME", None)
 
 _os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")
 # TensorFlow's C++ log level: the user's when set (tfpod.console keeps it), else INFO and
@@ -58,7 +65,7 @@ def check_positive(config, prefix: str, fields) -> None:
 #   tfpod.run(gin_files, gin_params, model_dir, mode) -> tfpod.api.run (what main.py runs)
 _LAZY = {"make_mesh": ("tfpod.mesh", "make_mesh"), "sharding": ("tfpod.keras", "sharding"),
          "run": ("tfpod.api", "run")}
-_SUBMODULES = ("partitioning", "keras", "mesh", "runtime", "input", "api", "config")
+_SUBMODULES = ("partitioning", "keras", "mesh", "runtime", "input", "api", "config", "actions", "attention")
 
 
 def __getattr__(name):

@@ -1,7 +1,10 @@
 """What the controller does after each call of the compiled loop: one action per concern
 (Orbit's controller actions), each built from what it needs and usable on its own.
 
-The controller runs a call, wraps its result in an `Outcome`, and gives it to its
+An action is an `Action`: its periodic condition `Every(n)` (Orbit's `ConditionalAction`)
+says at which steps it runs and when it is next due, and the controller ends each call of
+its compiled loop at the next step any of its actions wants (at most train.steps_per_loop
+on). The controller runs a call, wraps its result in an `Outcome`, and gives it to its
 actions in this order; an action may end the run (`Outcome.stop`) or roll it back to a
 checkpoint (`Outcome.rolled_back_to`: the actions after it are skipped for that call):
 
@@ -10,11 +13,24 @@ checkpoint (`Outcome.rolled_back_to`: the actions after it are skipped for that 
     Metrics        the steps' losses into the window; the step line and metrics.jsonl
                    at train.log_every; goodput so far
     Evaluation     the evaluation at train.eval_every and the target stop
+    (the run's own actions: `tfpod.run(..., actions=[...])`, `Controller(..., actions=...)`)
     Preempt        the hosts' agreement on a preemption notice: save and stop after this call
     Checkpointing  the save at train.checkpoint_every and at the last step (input position
                    first, then the state; non-finite state rolls back or stops)
     MemorySnapshot the in-memory snapshot at train.memory_checkpoint_every between saves
                    (tfpod.memory_checkpoint)
+
+A run's own action is one class with one argument:
+
+    class Norms(tfpod.actions.Action):
+        def run(self, outcome):
+            print(outcome.end, float(outcome.norms.max()))
+
+    tfpod.run(["gin/lm_tiny.gin"], [], "runs/demo", actions=[Norms(every=100)])
+
+It runs after the evaluation and before the checkpoint of the call, on every host (an
+action that writes files checks `tfpod.runtime.info().client_id`); setting `outcome.stop`
+ends the run with a checkpoint of that step.
 """
 
 from __future__ import annotations
@@ -27,10 +43,37 @@ from typing import Callable, Mapping
 
 import numpy as np
 
-from tfpod import checkpoint, nonfinite, run_folder
+from tfpod import UserError, checkpoint, nonfinite, run_folder
 from tfpod.preemption import Preemption
 
 log = logging.getLogger("tfpod")
+
+
+@dataclasses.dataclass(frozen=True)
+class Every:
+    """The steps an action runs at: the multiples of `steps` (None: the end of every call,
+    wherever it falls), and when it is next due (Orbit's ConditionalAction's condition, which
+    also answers 'when next').
+
+    Attributes:
+      steps: steps between runs (at least 1), or None.
+    """
+
+    steps: int | None = None
+
+    def __post_init__(self):
+        if self.steps is not None and (isinstance(self.steps, bool) or not isinstance(self.steps, int)
+                                       or self.steps < 1):
+            raise UserError(f"an action's every={self.steps!r} must be a whole number of steps, at least 1 (None: "
+                            "after every call of the compiled loop)")
+
+    def due(self, step: int) -> bool:
+        """Whether the action runs after a call that ends at `step`."""
+        return self.steps is None or step % self.steps == 0
+
+    def next(self, step: int) -> int | None:
+        """The first step after `step` it is due at, where a call must end (None: wherever calls end)."""
+        return None if self.steps is None else (step // self.steps + 1) * self.steps
 
 
 @dataclasses.dataclass
@@ -63,30 +106,62 @@ class Outcome:
         return self.end >= self.total_steps or self.stop is not None
 
 
-class Nonfinite:
+class Action:
+    """What the controller does after a call of its compiled loop, when its condition says so.
+
+    Subclass it and write `run`; `every` is its one argument (module docstring). The
+    controller calls the action after every call (`__call__`), which runs it when `due`;
+    `when` tells the controller where to end its calls, so a call never runs past a step
+    the action wants.
+
+    Args:
+      every: steps between runs (None: after every call of the compiled loop).
+    """
+
+    def __init__(self, every: int | None = None):
+        self.when = Every(every)
+
+    def due(self, outcome: Outcome) -> bool:
+        """Whether it runs after this call (its condition at the call's last step)."""
+        return self.when.due(outcome.end)
+
+    def __call__(self, outcome: Outcome) -> None:
+        if self.due(outcome):
+            self.run(outcome)
+
+    def run(self, outcome: Outcome) -> None:
+        """What it does; `outcome.end` is the step just trained."""
+        raise NotImplementedError(f"{type(self).__name__}.run(outcome): write what the action does")
+
+
+class Nonfinite(Action):
     """train.on_nonfinite after each call (tfpod.nonfinite.NonfiniteGuard)."""
 
     def __init__(self, guard: nonfinite.NonfiniteGuard):
+        super().__init__()
         self.guard = guard
 
-    def __call__(self, outcome: Outcome) -> None:
+    def run(self, outcome: Outcome) -> None:
         outcome.rolled_back_to = self.guard.check(outcome.step, outcome.losses, outcome.norms)
 
 
-class RunRecord:
+class RunRecord(Action):
     """Writes the run's record once, after the first call that trains: a run that fails
     before training leaves the record of the run before it as it was."""
 
     def __init__(self, write: Callable[[], None]):
+        super().__init__()
         self.write, self.written = write, False
 
-    def __call__(self, outcome: Outcome) -> None:
-        if not self.written:
-            self.write()
-            self.written = True
+    def due(self, outcome: Outcome) -> bool:
+        return not self.written
+
+    def run(self, outcome: Outcome) -> None:
+        self.write()
+        self.written = True
 
 
-class Metrics:
+class Metrics(Action):
     """The steps' losses and gradient norms into the metrics window; at train.log_every (and
     the last step) the step line and metrics.jsonl record, and goodput so far.
 
@@ -100,18 +175,24 @@ class Metrics:
 
     def __init__(self, writer, log_every: int, learning_rate: Callable[[], float],
                  seconds_per_step: Callable[[], float | None], record_goodput: Callable[[], object]):
-        self.writer, self.log_every = writer, log_every
+        super().__init__(log_every)
+        self.writer = writer
         self.learning_rate, self.seconds_per_step, self.record_goodput = learning_rate, seconds_per_step, record_goodput
         self.last_loss: float | None = None  # the last step line's loss (the window's mean)
 
     def __call__(self, outcome: Outcome) -> None:
-        self.writer.add_steps(outcome.losses, outcome.norms)
-        if outcome.end % self.log_every == 0 or outcome.end == outcome.total_steps:
-            self.last_loss = self.writer.train(outcome.end, self.learning_rate(), self.seconds_per_step())["loss"]
-            self.record_goodput()
+        self.writer.add_steps(outcome.losses, outcome.norms)  # every call's steps go into the window
+        super().__call__(outcome)
+
+    def due(self, outcome: Outcome) -> bool:
+        return self.when.due(outcome.end) or outcome.end == outcome.total_steps
+
+    def run(self, outcome: Outcome) -> None:
+        self.last_loss = self.writer.train(outcome.end, self.learning_rate(), self.seconds_per_step())["loss"]
+        self.record_goodput()
 
 
-class Evaluation:
+class Evaluation(Action):
     """Evaluates at train.eval_every (and the last step); ends the run when the target is reached.
 
     Args:
@@ -122,12 +203,14 @@ class Evaluation:
     """
 
     def __init__(self, evaluate: Callable[[int, Mapping], dict], config, lower_is_better, started: float):
+        super().__init__(config.eval_every)
         self.evaluate, self.config, self.lower_is_better, self.started = evaluate, config, lower_is_better, started
 
-    def __call__(self, outcome: Outcome) -> None:
+    def due(self, outcome: Outcome) -> bool:
+        return self.when.due(outcome.end) or outcome.end == self.config.steps
+
+    def run(self, outcome: Outcome) -> None:
         c, step = self.config, outcome.end
-        if not c.eval_every or not (step % c.eval_every == 0 or step == c.steps):
-            return
         result = self.evaluate(step, {"train_seconds": time.time() - self.started})
         if c.reached(result, self.lower_is_better):
             log.info("reached %s %s %.4f at step %d, %s after the start of training", c.target_metric,
@@ -136,18 +219,19 @@ class Evaluation:
             outcome.stop = "target"
 
 
-class Preempt:
+class Preempt(Action):
     """Ends the run after this call when any host received a preemption notice (SIGTERM)."""
 
     def __init__(self, preemption: Preemption):
+        super().__init__()
         self.preemption = preemption
 
-    def __call__(self, outcome: Outcome) -> None:
+    def run(self, outcome: Outcome) -> None:
         if self.preemption.requested():  # a collective on several hosts: every host calls it each time
             outcome.stop = outcome.stop or "preempted"
 
 
-class Checkpointing:
+class Checkpointing(Action):
     """Saves at train.checkpoint_every and at the last step: the input position first, so the
     model checkpoint always has one, then the weights, optimizer state and step.
 
@@ -166,14 +250,16 @@ class Checkpointing:
 
     def __init__(self, checkpoints: checkpoint.CheckpointManager, every: int, guard: nonfinite.NonfiniteGuard, feed,
                  model_dir: str, saved: Callable[[float, int], None]):
-        self.checkpoints, self.every, self.guard, self.feed = checkpoints, every, guard, feed
+        super().__init__(every)
+        self.checkpoints, self.guard, self.feed = checkpoints, guard, feed
         self.model_dir, self.saved = model_dir, saved
         self.pending = False  # a save is owed from a step skipped as non-finite
 
-    def __call__(self, outcome: Outcome) -> None:
+    def due(self, outcome: Outcome) -> bool:
+        return outcome.last or self.pending or self.when.due(outcome.end)
+
+    def run(self, outcome: Outcome) -> None:
         step = outcome.end
-        if not (outcome.last or self.pending or step % self.every == 0):
-            return
         if self.guard.skipping and not outcome.last:
             if not self.pending:
                 log.warning("step %d was skipped as non-finite: its checkpoint waits for the next step that trains",
@@ -197,7 +283,7 @@ class Checkpointing:
         self.guard.saved()
 
 
-class MemorySnapshot:
+class MemorySnapshot(Action):
     """Writes each host's in-memory snapshot (tfpod.memory_checkpoint) every `every` steps,
     unless a storage checkpoint of the step was just written or the step was skipped as
     non-finite; the last step has its storage checkpoint.
@@ -212,10 +298,12 @@ class MemorySnapshot:
 
     def __init__(self, checkpoints: checkpoint.CheckpointManager, every: int, guard: nonfinite.NonfiniteGuard, feed,
                  saved: Callable[[float, int], None]):
-        self.checkpoints, self.every, self.guard, self.feed, self.saved = checkpoints, every, guard, feed, saved
+        super().__init__(every)
+        self.checkpoints, self.guard, self.feed, self.saved = checkpoints, guard, feed, saved
 
-    def __call__(self, outcome: Outcome) -> None:
-        step = outcome.end
-        if outcome.last or step % self.every or self.guard.skipping or self.checkpoints.saved_step == step:
-            return
-        self.saved(self.checkpoints.snapshot(self.feed.write_to), step)
+    def due(self, outcome: Outcome) -> bool:
+        return (self.when.due(outcome.end) and not outcome.last and not self.guard.skipping
+                and self.checkpoints.saved_step != outcome.end)
+
+    def run(self, outcome: Outcome) -> None:
+        self.saved(self.checkpoints.snapshot(self.feed.write_to), outcome.end)

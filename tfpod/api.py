@@ -37,6 +37,7 @@ class RunConfigs:
     optimizer: object  # optimizers.OptimizerConfig
     sharding: object  # partitioning.ShardingConfig
     lora: object = None  # lora.LoraConfig with adapters on (the task is then lora.adapt's), else None
+    attention: object = None  # attention.AttentionConfig: what the run's models attend with (None: the defaults)
 
 
 @dataclasses.dataclass
@@ -54,6 +55,8 @@ class RunOptions:
       plan_device: plan: the device to plan for (tfpod.plan.devices; None: cpu, measured).
       plan_num_devices: plan: the job's devices (None: one host's).
       plan_devices_per_host: plan: devices per host (None: the device's usual).
+      actions: train and train_and_eval: the run's own actions after each call of the
+        compiled loop (tfpod.actions.Action), besides the built-in ones.
     """
 
     mesh_spec: str | None = None
@@ -65,17 +68,16 @@ class RunOptions:
     plan_device: str | None = None
     plan_num_devices: int | None = None
     plan_devices_per_host: int | None = None
+    actions: tuple = ()
 
 
 def build_run_configs() -> RunConfigs:
     """Builds every config (each value checked: types, ranges, choices) from the parsed gin config."""
-    from tfpod import attention
-
     task, model, data = config.build_task_configs()
-    attention.use(config.build_config("attention"))  # what every model of the run attends with
     return RunConfigs(task=task, experiment=config.build_config("experiment"), model=model, data=data,
                       train=config.build_config("train"), optimizer=config.build_config("optimizer"),
-                      sharding=config.build_config("sharding"), lora=task.lora)
+                      sharding=config.build_config("sharding"), lora=task.lora,
+                      attention=config.build_config("attention"))
 
 
 def check_writable(model_dir: str) -> None:
@@ -134,7 +136,8 @@ def start(c: RunConfigs, options: RunOptions, model_dir: str = "", claim: bool =
 
                 spec = plan.choose_for_run(c, spec, info, model_dir)
             meshes = meshlib.make_stage_meshes(spec)
-        placement = partitioning.Placement.from_config(c.sharding, c.task.default_preset, meshes)
+        placement = partitioning.Placement.from_config(c.sharding, c.task.default_preset, meshes,
+                                                       attention=c.attention)
         task_input = None
         if not c.train.synthetic_data:
             task_input = c.task.make_input(c.data, c.model, ShardInfo(info.client_id, info.num_clients), c.train.seed)
@@ -159,9 +162,11 @@ def _given_mesh(options: RunOptions, info):
 
 
 def controller(task, model_config, train_config, optimizer_config, placement, model_dir: str, data_config=None,
-               schedule: str = "gpipe"):
+               schedule: str = "gpipe", actions=()):
     """A Trainer (the model and optimizer on the mesh, the compiled steps) and its Controller
-    (`data_config`: the task's, for its host-side eval metrics; `schedule`: a pipeline's)."""
+    (`data_config`: the task's, for its host-side eval metrics; `schedule`: a pipeline's;
+    `actions`: the run's own, tfpod.actions.Action)."""
+    from tfpod import attention
     from tfpod.controller import Controller
     from tfpod.partitioning import check_microbatches
     from tfpod.models import TASKS
@@ -176,11 +181,12 @@ def controller(task, model_config, train_config, optimizer_config, placement, mo
         axis = placement.batch_axis(tuple(next(iter(task.batch_axes().values()))))
         check_microbatches(train_config.global_batch_size, placement.mesh.dim_size(axis) if axis else 1,
                            train_config.microbatches)
-    trainer = Trainer(task, model_config, optimizer_config, placement, total_steps=train_config.steps,
-                      steps_per_loop=train_config.steps_per_loop, precision=train_config.precision,
-                      seed=train_config.seed, data_config=data_config, microbatches=train_config.microbatches,
-                      schedule=schedule)
-    return Controller(trainer, train_config, model_dir)
+    with attention.using(placement.attention):  # the model's build traces it as its steps will
+        trainer = Trainer(task, model_config, optimizer_config, placement, total_steps=train_config.steps,
+                          steps_per_loop=train_config.steps_per_loop, precision=train_config.precision,
+                          seed=train_config.seed, data_config=data_config, microbatches=train_config.microbatches,
+                          schedule=schedule)
+    return Controller(trainer, train_config, model_dir, actions)
 
 
 def _check_eval_data(c: RunConfigs, session: Session, mode: str) -> None:
@@ -203,7 +209,7 @@ def train(c: RunConfigs, model_dir: str, options: RunOptions, evaluating: bool =
     check_writable(model_dir)
     with start(c, options, model_dir, claim=True) as session:  # a folder another live run holds is refused
         run = controller(c.task, c.model, c.train, c.optimizer, session.placement, model_dir, c.data,
-                         c.sharding.pipeline_schedule)
+                         c.sharding.pipeline_schedule, options.actions)
         run.restore()  # a checkpoint that does not fit stops the run here
         eval_batches = None
         if evaluating:
@@ -242,7 +248,8 @@ def export(c: RunConfigs, model_dir: str, options: RunOptions) -> dict:
     from tfpod import export as export_lib
 
     check_writable(model_dir)
-    return export_lib.export(c.task, c.model, c.data, model_dir, options.checkpoint, options.model_name)
+    return export_lib.export(c.task, c.model, c.data, model_dir, options.checkpoint, options.model_name,
+                             c.attention)
 
 
 def plan(c: RunConfigs, model_dir: str, options: RunOptions) -> dict:
@@ -301,20 +308,24 @@ def run(gin_files: list[str], gin_params: list[str], model_dir: str, mode: str =
       mode: a key of MODES.
       check: called as check(configs, model_dir, mode, options) once the configs are built,
         before the mode runs (main.py's preflight, tfpod.doctor.preflight); raises UserError to stop.
-      **options: RunOptions fields (mesh_spec or mesh, cpu_devices, device_type, checkpoint, model_name).
+      **options: RunOptions fields (mesh_spec or mesh, cpu_devices, device_type, checkpoint, model_name,
+        actions: the run's own tfpod.actions.Action objects).
 
     Returns:
       The mode's result (train: {"step", "loss", "losses", "preempted"}; eval: the metrics).
     """
     from tfpod import goodput
 
-    goodput.mark_launch()  # main.py marked the process start already
+    goodput.mark_launch()  # main.py marked the launch's start already
     if not model_dir:
         raise UserError("--model_dir is required: the folder for checkpoints, config.gin and metrics")
     if mode not in MODES:
         raise UserError(f"--mode={mode!r}: use one of {', '.join(MODES)}")
     configs = load_configs(gin_files, gin_params, model_dir)
     run_options = RunOptions(**options)
+    if run_options.actions and mode not in ("train", "train_and_eval"):
+        raise UserError(f"actions= run after the calls of training: --mode={mode} trains nothing; use mode='train' "
+                        "or 'train_and_eval', or leave actions out")
     if check is not None:
         check(configs, model_dir, mode, run_options)
     return MODES[mode](configs, model_dir, run_options)

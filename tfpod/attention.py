@@ -45,21 +45,27 @@ tfpod used before; tests compare the two).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
 import tensorflow as tf
 
 from tfpod import UserError, fused
-from tfpod.partitioning import context as partitioning_context
+from tfpod.partitioning import activations as partitioning_activations, context as partitioning_context
 from tfpod.partitioning.activations import shard
 
 NEG = -1e9  # the additive mask where a query may not attend (as the materialized path's)
-IMPLEMENTATIONS = ("blockwise", "materialized")
+# implementation -> the masks its models pass it: "segments" (segment ids [batch, length] or key
+# masks [batch, 1, S]: `mask_segments`) or "dense" ([batch, Lq, Lk]).
+IMPLEMENTATIONS = {"blockwise": "segments", "materialized": "dense"}
 
 
 @dataclasses.dataclass(frozen=True)
 class AttentionConfig:
     """gin: `attention.implementation` and `attention.block_size`.
+
+    A run's is a field of its placement and so of each step's context (Placement.compile);
+    `current()` reads it where a model's attention is traced, `using` sets it elsewhere.
 
     Attributes:
       implementation: "blockwise" (queries and keys in blocks, no length x length tensor in
@@ -78,25 +84,34 @@ class AttentionConfig:
         if self.block_size < 1:
             raise UserError(f"attention.block_size={self.block_size} must be at least 1")
 
+    @property
+    def segment_masks(self) -> bool:
+        """Whether models pass this attention segment ids or key masks (else dense masks)."""
+        return IMPLEMENTATIONS[self.implementation] == "segments"
 
-_CURRENT = [AttentionConfig()]
 
-
-def use(config: AttentionConfig) -> None:
-    """Makes `config` the attention every model built or traced from now on runs (a run's
-    gin `attention.*`, set by tfpod.api when it builds the run's configs)."""
-    _CURRENT[0] = config
+DEFAULT = AttentionConfig()
 
 
 def current() -> AttentionConfig:
-    return _CURRENT[0]
+    """The attention the model being traced runs: its step context's (the placement's, opened
+    by `Placement.compile`; or `using`'s), or the defaults outside any context (plain Keras)."""
+    context = partitioning_activations.current_context()
+    return DEFAULT if context is None or context.attention is None else context.attention
+
+
+def using(config: AttentionConfig | None) -> contextlib.AbstractContextManager:
+    """A block of a trace whose attention is `config` (None: the defaults): a step context
+    without a mesh outside a step (single-device export and serving, Keras's fit, the
+    planner's build), or the enclosing step's context with it."""
+    return partitioning_activations.tracing(attention=config)
 
 
 def self_attention_mask(ids: tf.Tensor, segment_ids: tf.Tensor | None, dense) -> tf.Tensor:
     """What a model's blocks pass their attention for the mask: segment ids [batch, length]
     for blockwise attention ([batch, 1] without packing: one segment, no segment mask), else
     `dense(ids, segment_ids)`, the [batch, length, length] mask."""
-    if current().implementation == "blockwise":
+    if current().segment_masks:
         if segment_ids is None:
             return tf.ones(tf.stack([tf.shape(ids)[0], 1]), tf.int32)
         return tf.cast(segment_ids, tf.int32)

@@ -3,9 +3,9 @@
 `use_blockwise(layer)` changes the class of every tf_keras `MultiHeadAttention` inside
 `layer` (and, with `decoder_self_attention=True`, every Model Garden `CachedAttention`) to a
 subclass that computes the same function: same weights, names, configs and checkpoints.
-When the run's attention is blockwise (`attention.current()`, read when the layer is
-traced) the stand-in attends with `attention.attend_segments`, the masks of the call
-expressed as segment ids:
+When the step's attention takes segment masks (blockwise: `attention.current().segment_masks`,
+read from the step context when the layer is traced) the stand-in attends with
+`attention.attend_segments`, the masks of the call expressed as segment ids:
 
   * the Keras masks of the query [batch, T] and of the value / key [batch, S] (an
     `Embedding(mask_zero=True)` before it): a masked key is segment 0, a masked query
@@ -86,12 +86,12 @@ def segments(query, value, key, attention_mask, causal: bool) -> tuple[Segments 
 
 
 def _blockwise_now(layer) -> bool:
-    return attention.current().implementation == "blockwise" and tuple(layer._attention_axes or (1,)) == (1,)
+    return attention.current().segment_masks and tuple(layer._attention_axes or (1,)) == (1,)
 
 
 def _note(layer, why: str) -> None:
     notes = getattr(layer, "_tfpod_notes", None)
-    if notes is not None and not notes.logged and attention.current().implementation == "blockwise":
+    if notes is not None and not notes.logged and attention.current().segment_masks:
         notes.logged = True
         log.info("model %r: attention layer %r attends materialized (Keras's path): %s", notes.model, layer.name, why)
 

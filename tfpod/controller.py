@@ -5,12 +5,12 @@ non-finite steps do, and the metrics; around the compiled steps of a Trainer.
     controller.restore()                       # the newest good checkpoint, if any
     controller.train(feed, eval_batches=..., run_files={"config.gin": ...})
 
-Each iteration: the feed gives the next call's batches (up to the next log,
-checkpoint or eval boundary, at most steps_per_loop), the trainer runs them in one call
-of its compiled loop, then on the host its actions (tfpod.actions, `make_actions`): the
-non-finite policy, the run's record (once training has started), the log line, the
-evaluation and the target stop, the hosts' agreement on a preemption notice, and the
-checkpoint. Everything here runs eagerly.
+Each iteration: the feed gives the next call's batches (up to the next step any action
+is due at, at most steps_per_loop), the trainer runs them in one call of its compiled
+loop, then on the host its actions (tfpod.actions, `make_actions`): the non-finite
+policy, the run's record (once training has started), the log line, the evaluation and
+the target stop, the run's own actions (`actions=`), the hosts' agreement on a preemption
+notice, and the checkpoint. Everything here runs eagerly.
 """
 
 from __future__ import annotations
@@ -20,12 +20,12 @@ import datetime
 import logging
 import os
 import time
-from typing import Mapping
+from typing import Mapping, Sequence
 
 import numpy as np
 
-from tfpod import (UserError, actions, checkpoint, feeding, flops, goodput, lora, mesh as meshlib, nonfinite,
-                   faults, preemption, runtime, watchdog)
+from tfpod import (UserError, actions as actionslib, checkpoint, feeding, flops, goodput, lora, mesh as meshlib,
+                   nonfinite, faults, preemption, runtime, watchdog)
 from tfpod.metrics_writer import MetricsWriter, Throughput
 from tfpod.precision import PRECISIONS
 from tfpod.trainer import Trainer
@@ -154,10 +154,16 @@ class Controller:
       trainer: the built model, optimizer and compiled steps.
       config: TrainConfig.
       model_dir: the run's folder.
+      actions: the run's own actions (tfpod.actions.Action), run after each call of the
+        compiled loop after the built-in metrics and evaluation, before the checkpoint.
     """
 
-    def __init__(self, trainer: Trainer, config: TrainConfig, model_dir: str):
-        self.trainer, self.cfg, self.model_dir = trainer, config, model_dir
+    def __init__(self, trainer: Trainer, config: TrainConfig, model_dir: str, actions: Sequence = ()):
+        for action in actions:
+            if not isinstance(action, actionslib.Action):
+                raise UserError(f"actions: {action!r} is a {type(action).__name__}, not a tfpod.actions.Action: "
+                                "subclass it and write run(outcome)")
+        self.trainer, self.cfg, self.model_dir, self.actions = trainer, config, model_dir, list(actions)
         self.info = runtime.info()
         self.is_chief = self.info.client_id == 0
         placement, task = trainer.placement, trainer.task
@@ -234,13 +240,11 @@ class Controller:
         """The hosts' agreement on a preemption notice: whether any host received one."""
         return meshlib.any_host(signaled, self.trainer.placement.mesh)
 
-    def _next_boundary(self, step: int) -> int:
-        c = self.cfg
-        marks = [c.steps, (step // c.log_every + 1) * c.log_every, (step // c.checkpoint_every + 1) * c.checkpoint_every]
-        for every in (c.eval_every, c.memory_checkpoint_every):
-            if every:
-                marks.append((step // every + 1) * every)
-        return min(min(marks), step + c.steps_per_loop)
+    def _next_stop(self, step: int, run_actions: Sequence[actionslib.Action]) -> int:
+        """The step the next call of the compiled loop ends at: the next step any action is
+        due at (its `when`), at most train.steps_per_loop on and train.steps."""
+        wanted = [action.when.next(step) for action in run_actions]
+        return min([self.cfg.steps, step + self.cfg.steps_per_loop] + [w for w in wanted if w is not None])
 
     def _write_run_record(self, run_files: Mapping[str, str] | None) -> None:
         """layouts.txt and `run_files`, each written atomically by host 0 (see `train`)."""
@@ -278,8 +282,8 @@ class Controller:
         batches = feed.start(step, resumed, self.checkpoints.restored_input)
         start_step, t_start = step, time.time()
         losses_so_far = []
-        self.goodput = goodput.Goodput(self.model_dir, self.is_chief)
-        self.goodput.begin(step)
+        progress = goodput.Goodput(self.model_dir, self.is_chief)
+        progress.begin(step)
         self._rate, self._traces_seen, self._calls = None, self.trainer.traces, 0
         self.writer.reset_window()
         stop = None
@@ -295,16 +299,16 @@ class Controller:
                     log.warning("preempted before the first step: nothing new to save; rerun the same command to "
                                 "resume")
                     return {"step": step, "loss": None, "losses": [], "preempted": True}
-                run_actions, metrics = self.make_actions(feed, eval_batches, run_files, preempt, t_start)
+                run_actions, metrics = self.make_actions(feed, eval_batches, run_files, preempt, t_start, progress)
                 while step < c.steps:
-                    n = self._next_boundary(step) - step
+                    n = self._next_stop(step, run_actions) - step
                     hang.before_call(step, n)
                     batch = injector.before_call(step, n, feeding.stack([next(batches) for _ in range(n)],
                                                                         c.steps_per_loop))
                     losses, norms = self._call(batch, n, step)
                     hang.after_call(step, n, self._last_call_s)
-                    self.goodput.steps(n, self._last_call_s, step + n)
-                    outcome = actions.Outcome(step, losses, norms, c.steps)
+                    progress.steps(n, self._last_call_s, step + n)
+                    outcome = actionslib.Outcome(step, losses, norms, c.steps)
                     for action in run_actions:
                         action(outcome)
                         if outcome.rolled_back_to is not None:
@@ -324,7 +328,7 @@ class Controller:
         self.checkpoints.wait()  # a checkpoint written in the background (train.async_checkpoint) is complete
         if self.checkpoints.memory is not None:
             self.checkpoints.memory.wait_sent()
-        summary = self.goodput.record()
+        summary = progress.record()
         self.writer.goodput(step, summary)
         log.info("%s", goodput.Goodput.line(summary))
         preempted = stop == "preempted"
@@ -339,26 +343,34 @@ class Controller:
         return {"step": step, "loss": metrics.last_loss, "losses": losses_so_far, "preempted": preempted}
 
     def make_actions(self, feed, eval_batches: list | None, run_files: Mapping[str, str] | None,
-                     preempt: preemption.Preemption, started: float) -> tuple[list, actions.Metrics]:
-        """The actions after each call of the compiled loop, in order (tfpod.actions), and the
-        Metrics action among them (its `last_loss` is the run's result)."""
+                     preempt: preemption.Preemption, started: float, progress: goodput.Goodput
+                     ) -> tuple[list[actionslib.Action], actionslib.Metrics]:
+        """The actions after each call of the compiled loop, in order (tfpod.actions): the
+        built-in ones with the run's own (`actions`) after the evaluation; and the Metrics
+        action among them (its `last_loss` is the run's result). `progress`: the launch's goodput."""
         c, trainer = self.cfg, self.trainer
         guard = nonfinite.NonfiniteGuard(c.on_nonfinite, c.max_nonfinite, self.checkpoints)
 
         def saved(seconds: float, step: int) -> None:
-            self.goodput.add("checkpoint", seconds)
-            self.writer.goodput(step, self.goodput.record())
+            progress.add("checkpoint", seconds)
+            self.writer.goodput(step, progress.record())
 
-        metrics = actions.Metrics(self.writer, c.log_every, trainer.learning_rate, lambda: self._rate,
-                                  self.goodput.record)
-        out = [actions.Nonfinite(guard), actions.RunRecord(lambda: self._write_run_record(run_files)), metrics]
-        if eval_batches is not None:
-            out.append(actions.Evaluation(lambda step, extra: self.evaluate(eval_batches, step, extra), c,
-                                          trainer.task.lower_is_better, started))
-        out += [actions.Preempt(preempt),
-                actions.Checkpointing(self.checkpoints, c.checkpoint_every, guard, feed, self.model_dir, saved)]
+        def evaluate(step: int, extra: Mapping) -> dict:
+            began = time.time()
+            result = self.evaluate(eval_batches, step, extra)
+            progress.add("eval", time.time() - began)
+            return result
+
+        metrics = actionslib.Metrics(self.writer, c.log_every, trainer.learning_rate, lambda: self._rate,
+                                     progress.record)
+        out = [actionslib.Nonfinite(guard), actionslib.RunRecord(lambda: self._write_run_record(run_files)), metrics]
+        if eval_batches is not None and c.eval_every:
+            out.append(actionslib.Evaluation(evaluate, c, trainer.task.lower_is_better, started))
+        out += self.actions
+        out += [actionslib.Preempt(preempt),
+                actionslib.Checkpointing(self.checkpoints, c.checkpoint_every, guard, feed, self.model_dir, saved)]
         if c.memory_checkpoint_every:
-            out.append(actions.MemorySnapshot(self.checkpoints, c.memory_checkpoint_every, guard, feed, saved))
+            out.append(actionslib.MemorySnapshot(self.checkpoints, c.memory_checkpoint_every, guard, feed, saved))
         return out, metrics
 
     def _call(self, stacked: Mapping[str, np.ndarray], n: int, step: int) -> tuple[np.ndarray, np.ndarray]:
@@ -385,8 +397,6 @@ class Controller:
         step = int(self.trainer.step.numpy()) if step is None else step
         started = time.time()
         result = self.trainer.evaluate(host_batches, self.host_rows)
-        if getattr(self, "goodput", None) is not None:
-            self.goodput.add("eval", time.time() - started)
         result["step"] = step
         if extra:
             result.update(extra)

@@ -28,8 +28,8 @@ class Metric:
     """update(outputs, batch) -> {sum name: scalar}; result(sums) -> {metric name: float}.
 
     A metric that is no sum over batches (exact AUC, tfpod.auc) also gives `gather`:
-    (outputs, batch) -> {name: [batch] per-example values}, which each step returns
-    replicated and which stay on the devices over the eval set, and `finish`:
+    (outputs, batch) -> {name: [batch] per-example values}, which each step returns and
+    `evaluate` gathers replicated, to stay on the devices over the eval set, and `finish`:
     ({name: [examples]}, the whole set's per-example values) -> {sum name: scalar tensor},
     computed on device once at the end and passed to `result` with the sums.
     """
@@ -141,29 +141,24 @@ def host_sum(values, mesh: dtensor.Mesh) -> np.ndarray:
     return dtensor.unpack(reduced)[0].numpy()
 
 
-def make_eval_step(forward: Callable, metric: Metric, model_inputs: Callable[[Mapping], object],
-                   metric_batch: Callable[[object], Mapping] = lambda b: b, mesh: dtensor.Mesh | None = None):
-    """The compiled eval step: forward pass and the metric's sums, reduced over the mesh.
+def make_eval_step(forward: Callable[[Mapping], tuple], metric: Metric):
+    """The compiled eval step: forward pass and the metric's sums, reduced over the mesh
+    (and with a metric's `gather`, its per-example values as they lie on the mesh).
 
     Args:
-      forward: model inputs -> outputs (the model called with training=False).
+      forward: packed batch -> (the model's outputs, training=False; the features the
+        metric reads): the executor's eval forward (tfpod.executor.Executor.eval_forward).
       metric: the metric.
-      model_inputs: batch -> the model's inputs.
-      metric_batch: batch -> the features the metric reads (a pipeline's: the last stage's).
-      mesh: the mesh a metric's `gather` values are relaid out replicated on (None: no mesh).
     """
 
     @tf.function(autograph=False)
     def eval_step(batch):
-        outputs = forward(model_inputs(batch))
-        sums = metric.update(tf.cast(outputs, tf.float32), metric_batch(batch))
+        outputs, features = forward(batch)
+        sums = metric.update(tf.cast(outputs, tf.float32), features)
         sums = {k: tf.cast(v, tf.float64) for k, v in sums.items()}
         if metric.gather is None:
             return sums
-        examples = metric.gather(tf.cast(outputs, tf.float32), metric_batch(batch))
-        if mesh is not None:  # an all-gather: every device keeps the whole set's values
-            examples = {k: dtensor.relayout(v, dtensor.Layout.replicated(mesh, v.shape.rank)) for k, v in examples.items()}
-        return sums, examples
+        return sums, metric.gather(tf.cast(outputs, tf.float32), features)
 
     return eval_step
 
@@ -193,6 +188,14 @@ def run_padded(step: Callable[[dict], object], host_batches: Sequence[Mapping[st
 _FINISHED = {}
 
 
+def _replicated(value: tf.Tensor) -> tf.Tensor:
+    """A step's (DTensor) output relaid out replicated on its own mesh (a pipeline's: the last stage's)."""
+    if not dtensor.is_dtensor(value):
+        return value
+    mesh = dtensor.fetch_layout(value).mesh
+    return dtensor.relayout(value, dtensor.Layout.replicated(mesh, value.shape.rank))
+
+
 def _finish(metric: Metric):
     """metric.finish compiled once per metric (its inputs' length may differ between evals)."""
     if metric.name not in _FINISHED:
@@ -220,9 +223,9 @@ def evaluate(eval_step, host_batches: Iterable[Mapping[str, np.ndarray]], host_r
     outputs = run_padded(eval_step, host_batches, host_rows, to_device, mesh)
     totals, examples = None, []
     for sums in outputs:  # sums over the whole mesh: a padding call on this host adds the others' real rows
-        if metric.gather is not None:
+        if metric.gather is not None:  # an all-gather: every device keeps the whole set's values
             sums, more = sums
-            examples.append(more)
+            examples.append({k: _replicated(v) for k, v in more.items()})
         totals = sums if totals is None else {k: totals[k] + sums[k] for k in sums}
     if metric.gather is not None:  # the whole eval set's per-example values, on the devices
         totals.update(_finish(metric)({k: tf.concat([e[k] for e in examples], 0) for k in examples[0]}))

@@ -33,7 +33,7 @@ import tempfile
 
 import tensorflow as tf
 
-from tfpod import UserError
+from tfpod import UserError, attention
 from tfpod.checkpoint import read_weights, scan
 from tfpod.train_state import TrainState
 
@@ -136,7 +136,7 @@ def _input_specs(fn) -> dict:
 
 
 def export(task, model_config, data_config, model_dir: str, checkpoint: str | None = None,
-           model_name: str | None = None) -> dict:
+           model_name: str | None = None, attention_config=None) -> dict:
     """Exports a checkpoint of model_dir as a SavedModel for TF Serving.
 
     Args:
@@ -146,6 +146,8 @@ def export(task, model_config, data_config, model_dir: str, checkpoint: str | No
       model_dir: the run's folder.
       checkpoint: a checkpoint prefix; None: the newest complete one.
       model_name: the name TF Serving serves it under (default: the task's name).
+      attention_config: what the signatures attend with (tfpod.attention.AttentionConfig,
+        the run's gin `attention.*`; None: the defaults), the context they are traced in.
 
     Returns:
       {"export_dir", "version", "step", "signatures": {name: {"inputs", "outputs"}}}.
@@ -154,10 +156,11 @@ def export(task, model_config, data_config, model_dir: str, checkpoint: str | No
         raise UserError(f"model {task.name!r} has no serving signatures (Task.serving): it trains and evaluates, "
                         f"but --mode=export is not available for it")
     path = checkpoint_path(model_dir, checkpoint)
-    model = single_device_model(task, model_config, path)
-    module, signatures = task.serving(model, model_config, data_config)
     base = os.path.join(model_dir, "export", model_name or task.name)
-    final = write(module, signatures, base)
+    with attention.using(attention_config):  # (the signatures are traced here and in `write`)
+        model = single_device_model(task, model_config, path)
+        module, signatures = task.serving(model, model_config, data_config)
+        final = write(module, signatures, base)
     described = {
         name: {"inputs": {k: f"{s.dtype.name}{s.shape}" for k, s in _input_specs(fn).items()},
                "outputs": {k: f"{s.dtype.name}{s.shape}" for k, s in fn.structured_outputs.items()}}
@@ -184,7 +187,7 @@ def saved_model(model_dir: str, checkpoint: str | None = None, model_name: str |
     Returns:
       export()'s result.
     """
-    from tfpod.config import build_task_configs, parse_config
+    from tfpod.config import build_config, build_task_configs, parse_config
 
     config = os.path.join(model_dir, "config.gin")
     if not os.path.exists(config):
@@ -192,4 +195,4 @@ def saved_model(model_dir: str, checkpoint: str | None = None, model_name: str |
                         "main.py --mode=export with the run's gin files")
     parse_config([config], list(gin_params or ()))
     task, model_config, data_config = build_task_configs()
-    return export(task, model_config, data_config, model_dir, checkpoint, model_name)
+    return export(task, model_config, data_config, model_dir, checkpoint, model_name, build_config("attention"))

@@ -189,8 +189,12 @@ def batch_norm(x: tf.Tensor, gamma: tf.Tensor, beta: tf.Tensor, epsilon: float):
     TensorFlow's fused kernel (FusedBatchNormV3) has no DTensor layout propagation, and
     autodiff of the unfused form takes about twice the passes over x of this backward:
 
-      d beta = sum(dy), d gamma = (sum(dy * x) - mean * sum(dy)) * inv,
-      d x = dy * a + x * c1 + c2, with a = gamma * inv and per-channel c1, c2.
+      d beta = sum(dy), d gamma = sum(dy * xc) * inv,
+      d x = dy * a + xc * c1 + c0, with xc = x - mean, a = gamma * inv and per-channel c1, c0.
+
+    Forward and backward work on the centered values xc (kept for the backward in place of
+    x): where a channel's mean is large against its spread, sum(dy * x) - mean * sum(dy) and
+    x * c1 - mean * c1 cancel in float32, and the gradients then drift from float64's.
 
     Under DTensor a batch-sharded x's sums are reduced over the mesh (synchronized batch
     norm over the global batch).
@@ -211,22 +215,22 @@ def batch_norm(x: tf.Tensor, gamma: tf.Tensor, beta: tf.Tensor, epsilon: float):
     @tf.custom_gradient
     def core(x, gamma, beta):
         with scope():
-            xf = tf.cast(x, stats)
-            mean = tf.reduce_mean(xf, axes)
-            variance = tf.reduce_mean(tf.math.squared_difference(xf, mean), axes)
+            mean = tf.reduce_mean(tf.cast(x, stats), axes)
+            xc = tf.cast(x, stats) - mean  # centered: no cancellation below, forward or backward
+            variance = tf.reduce_mean(tf.square(xc), axes)
             inv = tf.math.rsqrt(variance + epsilon)
             a = gamma * inv
-            y = tf.cast(xf * a + (beta - mean * a), x.dtype)
+            y = tf.cast(xc * a + beta, x.dtype)
 
         def grad(dy, *_):  # the statistics' gradients: none (they only feed the moving averages)
             with scope():
                 dyf = tf.cast(dy, stats)
                 n = tf.cast(tf.size(dyf) // tf.shape(dyf)[-1], stats)
                 sum_dy = tf.reduce_sum(dyf, axes)
-                sum_dy_xc = tf.reduce_sum(dyf * xf, axes) - mean * sum_dy  # sum(dy * (x - mean))
+                sum_dy_xc = tf.reduce_sum(dyf * xc, axes)
                 c1 = -a * inv * inv * sum_dy_xc / n
-                c2 = -a * sum_dy / n - mean * c1
-                dx = tf.cast(dyf * a + (xf * c1 + c2), x.dtype)
+                c0 = -a * sum_dy / n
+                dx = tf.cast(dyf * a + (xc * c1 + c0), x.dtype)
             return dx, sum_dy_xc * inv, sum_dy
 
         return (y, mean, variance), grad

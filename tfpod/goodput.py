@@ -4,10 +4,10 @@ Host 0 keeps the run's history in model_dir/goodput.json, one record per launch
 (rewritten atomically at every log line, save and evaluation, so a launch that is
 killed keeps what it had reached):
 
-  start, last        the launch's process start and the last time it recorded
+  start, last        the launch's start (`launch_start`) and the last time it recorded
   first_step         the step it resumed from (0 for the first launch)
   last_step          the last step it trained
-  startup_s          process start to the first call of the compiled loop
+  startup_s          the launch's start to the first call of the compiled loop
   compile_s          the first call's time beyond a steady call of as many steps
   productive_s       steady time of the steps it trained
   checkpoint_s       saves (the part that blocks training), and input positions
@@ -59,16 +59,25 @@ def _take_launch_start() -> float:
     return time.time() if start is None else start
 
 
-def process_start() -> float:
-    """When this process started (Linux /proc), else now."""
-    try:
-        with open("/proc/self/stat") as f:
-            ticks = int(f.read().rsplit(")", 1)[1].split()[19])
-        with open("/proc/uptime") as f:
-            uptime = float(f.read().split()[0])
-        return time.time() - uptime + ticks / os.sysconf("SC_CLK_TCK")
-    except (OSError, ValueError, IndexError):
-        return time.time()
+def launch_start() -> float:
+    """When this launch of main.py began: for an automatic restart, when `tfpod.launch` started
+    it (TFPOD_LAUNCH_TIME, with TFPOD_RESTART > 0); otherwise when the interpreter began, as
+    tfpod sees it (`tfpod.IMPORTED`: main.py's first import, tens of milliseconds in).
+
+    Not the process's start in /proc: a shell that ends in `python main.py` (`sh -c "pip
+    install ... && python main.py"`, container entrypoints, SLURM scripts) execs it, so the
+    process, and its start time, are the shell's, and the shell's work would count as the
+    run's start-up.
+    """
+    import tfpod
+
+    if tfpod.LAUNCHED and int(os.environ.get("TFPOD_RESTART", "0") or 0) > 0:
+        try:
+            return min(float(tfpod.LAUNCHED), tfpod.IMPORTED)
+        except ValueError:
+            log.warning("TFPOD_LAUNCH_TIME=%r is not a time: goodput counts this restart from the interpreter's "
+                        "start", tfpod.LAUNCHED)
+    return tfpod.IMPORTED
 
 
 def summarize(launches: list[dict]) -> dict:

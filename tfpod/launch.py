@@ -78,7 +78,8 @@ def _run_hosts(num_hosts: int, devices_per_host: int, command: list[str], out, r
     ports = free_ports(num_hosts)
     procs = state["procs"] = []
     for h in range(num_hosts):
-        env = {**host_env(h, num_hosts, ports, devices_per_host), "TFPOD_RESTART": str(restart)}
+        env = {**host_env(h, num_hosts, ports, devices_per_host), "TFPOD_RESTART": str(restart),
+               "TFPOD_LAUNCH_TIME": f"{time.time():.3f}"}  # a restart's start-up counts from here (goodput)
         p = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                              start_new_session=True)
         threading.Thread(target=_pump, args=(p.stdout, f"[host {h}] ", out), daemon=True).start()

@@ -30,12 +30,14 @@ import math
 import os
 import re
 import string
+import weakref
 
 import tensorflow as tf
 import tf_keras
 
 from tfpod import UserError, compat
 from tfpod.partitioning import AxisRule
+from tfpod.projection import Projection
 
 NAME = "lora"
 PARTS = ("lora_a", "lora_b")
@@ -108,7 +110,7 @@ def var_name(v) -> str:
 def input_dims(layer) -> int | None:
     """How many leading kernel dimensions a linear layer contracts with its input's last ones
     (None: not a layer LoRA knows)."""
-    if hasattr(layer, "in_dims"):  # tfpod's Projection: kernel [*in_dims, *out_dims]
+    if isinstance(layer, Projection):  # kernel [*in_dims, *out_dims]
         return len(layer.in_dims)
     if isinstance(layer, tf_keras.layers.EinsumDense):
         inputs, kernel = layer.equation.split("->")[0].split(",")
@@ -156,6 +158,10 @@ def _einsum(x_rank: int, k: int, out_rank: int) -> tuple[str, str]:
     return f"{lead}{contracted},{contracted}r->{lead}r", f"{lead}r,r{out}->{lead}{out}"
 
 
+# The layers `install` gave adapters (held weakly: a model's layers go with it).
+_ADAPTED: weakref.WeakSet = weakref.WeakSet()
+
+
 def install(layer, config: LoraConfig, shared=None) -> None:
     """Gives a built linear layer its adapter weights and makes its call add their output;
     with `shared` (a layer that has them), that layer's lora_a and dropout."""
@@ -179,6 +185,7 @@ def install(layer, config: LoraConfig, shared=None) -> None:
             "lora_a", shape[:k] + [config.rank], initializer=tf_keras.initializers.RandomUniform(-bound, bound))
         layer.lora_dropout = tf_keras.layers.Dropout(config.dropout, name="lora_dropout") if config.dropout else None
     layer.lora_b = layer.add_weight("lora_b", [config.rank] + shape[k:], initializer="zeros")
+    _ADAPTED.add(layer)
     call = layer.call
     scale = config.scale
 
@@ -321,7 +328,7 @@ def adapters_of(model) -> dict:
     """{kernel name: (its lora_a, its lora_b)} of an adapted model (a shared lora_a appears
     under each kernel that uses it)."""
     return {var_name(layer.kernel): (layer.lora_a, layer.lora_b) for layer in compat.flatten_layers(model)
-            if hasattr(layer, "lora_b")}
+            if layer in _ADAPTED}
 
 
 def is_adapter_key(key: str) -> bool:

@@ -53,7 +53,7 @@ def main(argv) -> None:
         print(f"error: unexpected arguments {argv[1:]}: pass settings as --flags or --gin_param", file=sys.stderr)
         sys.exit(2)
     preemption.catch_sigterm()  # first, before TensorFlow loads: a preemption notice at any point ends with status 0
-    goodput.mark_launch(goodput.process_start())  # start-up counts as this launch's badput
+    goodput.mark_launch(goodput.launch_start())  # start-up counts as this launch's badput
     verbose = FLAGS.verbosity >= 1
     console.setup(verbose)
     try:

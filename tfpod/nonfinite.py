@@ -1,6 +1,6 @@
 """What a run does when a step's loss or gradient norm is NaN or Inf (train.on_nonfinite).
 
-The compiled step never applies such a step's update (trainer.make_train_loop) and no
+The compiled step never applies such a step's update (optimizers.Update.step) and no
 checkpoint is written of non-finite state (checkpoint.CheckpointManager.save); after
 each call of the loop `NonfiniteGuard` stops the run naming the newest checkpoint,
 logs and counts skipped steps, or rolls back to the newest checkpoint.

@@ -12,6 +12,11 @@ split, a reduce-scatter), the optimizer updates a sharded working copy of the we
 with sharded slots, and the result is relaid out back to the weight's own layout (an
 all-gather). The working copy is refreshed from the weight each step (a local slice),
 so checkpoints hold only the weight and its slots, keyed as without sharding.
+
+`Update.step` is the one update every executor's step ends in (tfpod.executor): the
+norm, clipping, and the update only when finite. Where each gradient lives and its update
+runs is the executor's answer (`GradientHomes`: all on one mesh; a pipeline's stages hand
+their own); how a gradient scales and updates its weight is `Update`'s, for every executor.
 """
 
 from __future__ import annotations
@@ -26,7 +31,6 @@ from tensorflow.experimental import dtensor
 from official.modeling.optimization import lamb, lars, legacy_adamw, lr_schedule
 
 from tfpod import UserError, compat, fused, partitioning
-from tfpod.partitioning import stages
 
 OPTIMIZERS = ("adamw", "lamb", "lars", "sgd", "adagrad")
 DECAYS = ("cosine", "linear", "polynomial", "rsqrt", "piecewise", "constant")
@@ -284,6 +288,32 @@ def slot_variables(optimizer) -> list[tf.Variable]:
     return [s for slots in compat.slot_table(optimizer).values() for s in slots.values()]
 
 
+class GradientHomes:
+    """Where a step's gradients live and their weights' updates run, as `Update.step` asks:
+    here every gradient on the step's one mesh (the one-mesh executor's); a pipeline's
+    executor hands its own (tfpod.pipeline.StageHomes: each gradient on its stage, the norm
+    summed on the first). How a gradient updates its weight is `Update`'s, whatever its home.
+    """
+
+    def global_norm(self, grads: Sequence[tf.Tensor]) -> tf.Tensor:
+        """The gradients' global norm (tf.linalg.global_norm)."""
+        return tf.linalg.global_norm(grads)
+
+    def clip_scales(self, grads: Sequence[tf.Tensor], norm: tf.Tensor, clip_norm: float) -> list[tf.Tensor]:
+        """Per gradient, the factor that clips the global norm to `clip_norm` (NaN when the norm
+        is not finite), where that gradient lives: tf.clip_by_global_norm's, as it computes it."""
+        scale = clip_norm * tf.minimum(1.0 / norm, tf.constant(1.0, dtype=norm.dtype) / clip_norm)
+        return [scale + (norm - norm)] * len(grads)
+
+    def all_finite(self, loss: tf.Tensor, norm: tf.Tensor) -> tf.Tensor:
+        """Whether the step's loss and gradient norm are finite."""
+        return tf.math.is_finite(loss) & tf.math.is_finite(norm)
+
+    def apply(self, update: "Update", grads: Sequence[tf.Tensor], finite: tf.Tensor) -> None:
+        """Every weight's update (`update.apply`) when `finite`, else only the step counter advances."""
+        tf.cond(finite, lambda: update.apply(grads), update.skip)
+
+
 class Update:
     """Applies gradients to the weights, optionally sharding the update over a mesh axis.
 
@@ -327,56 +357,73 @@ class Update:
         """Whether any weight's update is sharded."""
         return any(s is not None for s in self.shadows)
 
-    def step(self, loss: tf.Tensor, grads: Sequence[tf.Tensor], clip_norm: float | None, placement=None,
-             homes: Sequence[int] | None = None) -> tuple[tf.Tensor, tf.Tensor]:
+    def step(self, loss: tf.Tensor, grads: Sequence[tf.Tensor], clip_norm: float | None,
+             homes: GradientHomes | None = None) -> tuple[tf.Tensor, tf.Tensor]:
         """The one update every executor's step ends in (inside the compiled step): the
         gradients' global norm, global-norm clipping (`clip_norm`; None or 0: off), and the
         update, applied only when the loss and the norm are finite (else only the step
         counter advances, so weights and slots keep finite values).
 
-        With pipeline stages (`placement` with stages, `homes`: each gradient's stage) the
-        norm sums every stage's squares on the first stage, and each stage applies its own
-        weights' update (`apply_on_stages`).
+        Args:
+          loss: the step's loss.
+          grads: per variable (in `variables`' order) its gradient.
+          clip_norm: the global norm to clip to.
+          homes: where each gradient lives and its update runs, from the step's executor
+            (default: all on one mesh).
 
         Returns:
           (loss, gradient norm).
         """
-        if homes is None or placement is None or placement.num_stages == 1:
-            if clip_norm:
-                grads, norm = tf.clip_by_global_norm(grads, clip_norm)
-            else:
-                norm = tf.linalg.global_norm(grads)
-
-            def skip():
-                self.optimizer.iterations.assign_add(1)  # the batch is consumed; the step counter stays in step
-
-            tf.cond(tf.math.is_finite(loss) & tf.math.is_finite(norm), lambda: self.apply(grads), skip)
-            return loss, norm
-        first, last = 0, placement.num_stages - 1
-        on = lambda x, source, s: stages.scalar_to(x, placement.stage(source).mesh, placement.stage(s).mesh)
-        squares = []
-        for s in range(placement.num_stages):
-            with placement.stage_activations(s):
-                mine = [tf.reduce_sum(tf.square(tf.cast(g, tf.float32))) for g, h in zip(grads, homes) if h == s]
-                if mine:
-                    squares.append(on(tf.add_n(mine), s, first))
-        norm = tf.sqrt(tf.add_n(squares))
-        finite = tf.math.is_finite(on(loss, last, first)) & tf.math.is_finite(norm)
+        homes = homes or GradientHomes()
+        norm = homes.global_norm(grads)
         if clip_norm:
-            scale = clip_norm / tf.maximum(norm, clip_norm)
-            scales = [on(scale, first, s) for s in range(placement.num_stages)]
-            grads = [g * tf.cast(scales[h], g.dtype) for g, h in zip(grads, homes)]
-        self.apply_on_stages(grads, homes, finite, placement)
+            grads = self.scaled(grads, homes.clip_scales(grads, norm, clip_norm))
+        homes.apply(self, grads, homes.all_finite(loss, norm))
         return loss, norm
 
-    def apply(self, grads: Sequence[tf.Tensor], indices: Sequence[int] | None = None):
-        """One optimizer step (inside the compiled train step), of the variables at `indices`
-        (None: all; tfpod.embedding's step leaves the tables out: their rows update sparsely)."""
-        indices = range(len(self.variables)) if indices is None else indices
-        applied = self.optimizer.apply_gradients(self._pairs(grads, indices))
+    @staticmethod
+    def scaled(grads: Sequence[tf.Tensor], scales: Sequence[tf.Tensor]) -> list[tf.Tensor]:
+        """Each gradient times its clipping scale (a scalar where the gradient lives)."""
+        return [g * tf.cast(scale, g.dtype) for g, scale in zip(grads, scales)]
+
+    def apply(self, grads: Sequence[tf.Tensor], indices: Sequence[int] | None = None, coefficients=None) -> None:
+        """One optimizer update of the weights at `indices` (all by default) from their
+        gradients (inside the compiled step): each gradient put in its weight's (or working
+        copy's) layout, the optimizer's update, the updated shards gathered back.
+
+        Args:
+          grads: per variable, its gradient.
+          indices: which variables to update.
+          coefficients: the step's coefficients (`coefficients()`, copied where these weights
+            live): the update uses them and leaves the step counter (the caller `advance`s it
+            once); None: the optimizer's own `apply_gradients`, which computes them and
+            advances the step counter.
+        """
+        indices = range(len(self.variables)) if indices is None else list(indices)
+        pairs = self._pairs(grads, indices)
+        if coefficients is None:
+            applied = self.optimizer.apply_gradients(pairs)
+        else:
+            applied = compat.apply_updates(self.optimizer, pairs, coefficients)
         # (runtime.initialize turns off DTensor's all-reduce combining, which reordered this)
         with tf.control_dependencies([applied]):
             self._write_back(indices)
+
+    def coefficients(self) -> dict:
+        """The step's coefficients of every weight's update (learning rate, beta powers, ...)."""
+        return compat.prepare_updates(self.optimizer, self.variables)
+
+    def scalars(self) -> list[tf.Variable]:
+        """The step counter and the hyperparameter variables (the state other than slots)."""
+        return compat.optimizer_scalars(self.optimizer)
+
+    def skip(self) -> None:
+        """A step whose update is not applied: the batch is consumed, the step counter stays in step."""
+        self.optimizer.iterations.assign_add(1)
+
+    def advance(self) -> None:
+        """Advances the step counter once (after `apply` with coefficients)."""
+        self.optimizer.iterations.assign_add(1, read_value=False)
 
     def _pairs(self, grads: Sequence[tf.Tensor], indices) -> list:
         # Each gradient is put in its variable's (or working copy's) layout first: a
@@ -394,43 +441,6 @@ class Update:
             if self.shadows[j] is not None:  # all-gather the updated shard back into the weight
                 self.variables[j].assign(dtensor.relayout(self.shadows[j].read_value(), self.layouts[j]),
                                          read_value=False)
-
-    def follow_stages(self) -> None:
-        """Makes the step counter and hyperparameters (on the first stage) readable on every stage."""
-        for v in compat.optimizer_scalars(self.optimizer):
-            stages.follow_active_mesh(v)
-
-    def apply_on_stages(self, grads: Sequence[tf.Tensor], homes: Sequence[int], finite: tf.Tensor, placement) -> None:
-        """One optimizer step of a pipeline: each stage updates its own weights, all or none.
-
-        Args:
-          grads: per variable, its gradient (on its stage).
-          homes: per variable, its stage.
-          finite: the step's loss and gradient norm are finite (a scalar on the first stage):
-            else no stage applies its update (the step counter still advances).
-          placement: the stages.
-        """
-        scalars = compat.optimizer_scalars(self.optimizer)
-        with placement.stage_activations(0):  # the step's coefficients, computed where the step counter lives
-            coefficients = compat.prepare_updates(self.optimizer, self.variables)
-        for s in range(placement.num_stages):
-            mine = [j for j, h in enumerate(homes) if h == s]
-            if not mine:
-                continue
-            mesh = placement.stage(s).mesh
-            with placement.stage_activations(s), stages.prefetched(scalars, mesh):
-                ok = stages.scalar_to(finite, placement.mesh, mesh)
-                local = tf.nest.map_structure(
-                    lambda t: stages.to_mesh(t, placement.mesh, dtensor.Layout.replicated(mesh, t.shape.rank))
-                    if isinstance(t, tf.Tensor) else t, coefficients)
-
-                def apply(mine=mine, local=local):
-                    applied = compat.apply_updates(self.optimizer, self._pairs(grads, mine), local)
-                    with tf.control_dependencies([applied]):
-                        self._write_back(mine)
-
-                tf.cond(ok, apply, lambda: None)
-        self.optimizer.iterations.assign_add(1, read_value=False)
 
     def state_specs(self) -> tuple[list, dict]:
         """(VarSpecs, {name: Layout}) of the optimizer state, for the layout report.

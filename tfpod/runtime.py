@@ -107,7 +107,8 @@ def initialize(cpu_devices: int | None = None, device_type: str | None = None) -
     With DTENSOR_NUM_CLIENTS > 1 (set by tfpod.launch, a cluster manager, or
     `configure_hosts`) this process is one client of a multi-host job: the accelerator
     system connects to the other hosts over TensorFlow's gRPC runtime (NCCL collectives
-    on GPUs, the TPU system on TPUs) with its coordination service watching them.
+    on GPUs, the TPU system on TPUs: DTensor's, untested here) with its coordination service
+    watching them.
 
     Args:
       cpu_devices: split the host CPU into this many logical devices (CPU only; None:
@@ -129,16 +130,7 @@ def initialize(cpu_devices: int | None = None, device_type: str | None = None) -
     graph_optimizations = os.environ.get("TFPOD_GRAPH_OPTIMIZATIONS", "1")
     if graph_optimizations not in ("0", "1"):
         raise UserError(f"TFPOD_GRAPH_OPTIMIZATIONS={graph_optimizations!r}: use 1 (the default) or 0")
-    if cpu_devices is None and os.environ.get("TFPOD_CPU_DEVICES"):
-        cpu_devices = int(os.environ["TFPOD_CPU_DEVICES"])
-    device_type = (device_type or detect_device_type()).upper()
-    if device_type not in DEVICE_TYPES:
-        raise UserError(
-            f"--device_type={device_type!r} is not a device type: use one of {', '.join(DEVICE_TYPES)} "
-            "or leave it unset to auto-detect"
-        )
-    if cpu_devices is not None and cpu_devices < 1:
-        raise UserError(f"--cpu_devices={cpu_devices} must be a positive number of logical CPU devices")
+    cpu_devices, device_type = _requested(cpu_devices, device_type)
     if _INFO is not None:
         wanted_local = cpu_devices if (cpu_devices and device_type == "CPU") else _INFO.num_local_devices
         if _INFO.device_type != device_type or _INFO.num_local_devices != wanted_local:
@@ -148,26 +140,7 @@ def initialize(cpu_devices: int | None = None, device_type: str | None = None) -
                 "starts, so run the other configuration in a new process"
             )
         return _INFO
-    if graph_optimizations == "0":
-        # Grappler off: functions compile faster and run slower; the same results. The test suite runs so
-        # (conftest.py) apart from its production smoke run. Also the MLIR bridge (TF -> XLA), which no
-        # step compiles with here but which walks every function's graph to find that out: 7% less CPU
-        # for an in-process lm_tiny run (perf: MlirBridgePass::GetPassState).
-        tf.config.optimizer.set_experimental_options({"disable_meta_optimizer": True})
-        if device_type != "TPU":
-            tf.config.experimental.disable_mlir_bridge()
-    if device_type == "CPU":
-        physical = tf.config.list_physical_devices("CPU")
-        if cpu_devices:
-            tf.config.set_logical_device_configuration(
-                physical[0], [tf.config.LogicalDeviceConfiguration()] * cpu_devices
-            )
-        if cpu_devices and cpu_devices > 1:
-            _share_cores(cpu_devices)
-    if device_type == "GPU":
-        os.environ.setdefault("DTENSOR_GPU_USE_NCCL_COMMUNICATION", "1")  # NCCL collectives across GPUs
-        for gpu in tf.config.list_physical_devices("GPU"):
-            tf.config.experimental.set_memory_growth(gpu, True)
+    _configure_devices(cpu_devices, device_type, graph_optimizations == "1")
     kwargs = {}
     if device_type == "CPU" and cpu_devices:
         kwargs["num_logical_cpu_devices"] = cpu_devices
@@ -192,6 +165,47 @@ def initialize(cpu_devices: int | None = None, device_type: str | None = None) -
         _INFO.num_clients,
     )
     return _INFO
+
+
+def _requested(cpu_devices: int | None, device_type: str | None) -> tuple[int | None, str]:
+    """(logical CPU devices, device type) asked for: the arguments, else $TFPOD_CPU_DEVICES and
+    auto-detection; checked."""
+    if cpu_devices is None and os.environ.get("TFPOD_CPU_DEVICES"):
+        cpu_devices = int(os.environ["TFPOD_CPU_DEVICES"])
+    device_type = (device_type or detect_device_type()).upper()
+    if device_type not in DEVICE_TYPES:
+        raise UserError(
+            f"--device_type={device_type!r} is not a device type: use one of {', '.join(DEVICE_TYPES)} "
+            "or leave it unset to auto-detect"
+        )
+    if cpu_devices is not None and cpu_devices < 1:
+        raise UserError(f"--cpu_devices={cpu_devices} must be a positive number of logical CPU devices")
+    return cpu_devices, device_type
+
+
+def _configure_devices(cpu_devices: int | None, device_type: str, graph_optimizations: bool) -> None:
+    """What must be set before TensorFlow's runtime starts: graph optimizations, logical CPU
+    devices and their threads, GPU memory growth and NCCL."""
+    if not graph_optimizations:
+        # Grappler off: functions compile faster and run slower; the same results. The test suite runs so
+        # (conftest.py) apart from its production smoke run. Also the MLIR bridge (TF -> XLA), which no
+        # step compiles with here but which walks every function's graph to find that out: 7% less CPU
+        # for an in-process lm_tiny run (perf: MlirBridgePass::GetPassState).
+        tf.config.optimizer.set_experimental_options({"disable_meta_optimizer": True})
+        if device_type != "TPU":
+            tf.config.experimental.disable_mlir_bridge()
+    if device_type == "CPU":
+        physical = tf.config.list_physical_devices("CPU")
+        if cpu_devices:
+            tf.config.set_logical_device_configuration(
+                physical[0], [tf.config.LogicalDeviceConfiguration()] * cpu_devices
+            )
+        if cpu_devices and cpu_devices > 1:
+            _share_cores(cpu_devices)
+    if device_type == "GPU":
+        os.environ.setdefault("DTENSOR_GPU_USE_NCCL_COMMUNICATION", "1")  # NCCL collectives across GPUs
+        for gpu in tf.config.list_physical_devices("GPU"):
+            tf.config.experimental.set_memory_growth(gpu, True)
 
 
 

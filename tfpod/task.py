@@ -133,7 +133,7 @@ class Task(abc.ABC):
         """The loss of one global batch (or one microbatch of it) as sums over its rows,
         inside the compiled step: each term of `sums` is averaged over its count in
         `loss_counts` of the whole step's batch, so any split into microbatches gives the
-        loss of the unsplit batch (tfpod.trainer accumulates them; the pipeline too)."""
+        loss of the unsplit batch (tfpod.executor.Accumulation, for every executor)."""
 
     @abc.abstractmethod
     def loss_counts(self, batch: Mapping[str, tf.Tensor]) -> list[tf.Tensor]:

@@ -7,13 +7,14 @@ calls tf_keras's own method for every other model:
                       (`KerasSharding.place`), and every layer keeps its weights in
                       creation order
   Model.compile       checks and conversions (tfpod.keras.compile)
-  Model.__call__      an unbuilt subclassed model: built lazily with the batch's shapes,
+  Model.__call__      traced with the sharding's attention (`attention=`, tfpod.attention.using);
+                      an unbuilt subclassed model: built lazily with the batch's shapes,
                       placed, then called on the mesh; Model.build calls it on zeros;
                       a nested model called on tf_keras.Input tensors (a Sequential in a
                       functional model, as ConvNeXt's stem): Keras's own functional call
   Normalization()     made under tfpod.sharding: a tfpod.keras.layers.Normalization
   Model.get_weights / set_weights   gathered to / scattered from host arrays
-  Model.save          the unsharded copy's files (tfpod.keras.export)
+  Model.save          the unsharded copy's files (tfpod.keras.export), traced with the sharding's attention
   Model.evaluate / predict          one step per host call; predict's outputs gathered
   Model.fit / evaluate / predict    DTensor's "no layout propagation" as one line
   Optimizer.apply_gradients         dense gradients for an optimizer on the mesh (an embedding
@@ -32,7 +33,7 @@ import tensorflow as tf
 import tf_keras
 from tensorflow.experimental import dtensor
 
-from tfpod import UserError, compat
+from tfpod import UserError, attention, compat
 from tfpod.keras import compile as compile_lib, export, layers, support, tables
 from tfpod.keras.layout_map import KerasSharding, get_values, in_scope, set_values
 
@@ -56,7 +57,7 @@ def install() -> None:
     model.compile = _compiling(model.compile)
     model.get_weights = _on_sharded(model.get_weights, lambda self: get_values(self.weights))
     model.set_weights = _on_sharded(model.set_weights, lambda self, weights: set_values(self.weights, weights))
-    model.save = _on_sharded(model.save, export.save)  # an ordinary model's files, loadable without tfpod
+    model.save = _on_sharded(model.save, _attending(export.save))  # an ordinary model's files, loadable without tfpod
     # evaluate and predict run one step per host call on a sharded model, each with
     # its own cached one-step function:
     # - Keras's multi-step predict loop concatenates each step's outputs inside a while
@@ -72,7 +73,7 @@ def install() -> None:
     model.evaluate = _one_step(model.evaluate, "test_function")
     for method in ("fit", "evaluate", "predict"):
         setattr(model, method, _translating(getattr(model, method)))
-    model.__call__ = _first_call(model.__call__)
+    model.__call__ = _calling(model.__call__)
     model.build = _building(model.build)
     normalization = tf_keras.layers.Normalization
     normalization.__init__ = _normalization_init(normalization.__init__)
@@ -158,6 +159,17 @@ def _on_sharded(method, replacement):
     @functools.wraps(method)
     def wrapper(self, *args, **kwargs):
         return (replacement if _sharding_of(self) is not None else method)(self, *args, **kwargs)
+
+    return wrapper
+
+
+def _attending(method):
+    """`method` of a sharded model, traced with its sharding's attention (tfpod.attention.using)."""
+
+    @functools.wraps(method)
+    def wrapper(self, *args, **kwargs):
+        with attention.using(_sharding_of(self).attention):
+            return method(self, *args, **kwargs)
 
     return wrapper
 
@@ -261,28 +273,38 @@ def _table_steps(make_function, kind: str):
     return wrapper
 
 
-def _first_call(call_fn):
-    """Model.__call__: an unbuilt subclassed model under a KerasSharding is built lazily with the
-    batch's shapes and placed; then the call runs on the mesh (host inputs replicated DTensors,
-    tensors the call makes, such as an RNN's zero state, on the mesh)."""
+def _calling(call_fn):
+    """Model.__call__ of a model under a KerasSharding: traced with the sharding's attention
+    (every step fit, evaluate, predict and compile's checks trace calls it); an unbuilt
+    subclassed one is built lazily with the batch's shapes and placed, then the call runs on
+    the mesh (host inputs replicated DTensors, tensors the call makes, such as an RNN's zero
+    state, on the mesh)."""
 
     @functools.wraps(call_fn)
     def __call__(self, *args, **kwargs):
         layout_map = _sharding_of(self)
-        if self.built or layout_map is None:
+        if layout_map is None:
             return call_fn(self, *args, **kwargs)
-        if _symbolic(args, kwargs):  # nested in a functional model, which places the variables
-            with compat.layout_map_lib().layout_map_scope(layout_map):  # (tf_keras's own call drops Inputs)
-                return tf_keras.layers.Layer.__call__(self, *args, **kwargs)
-        args, kwargs = tf.nest.map_structure(lambda x: _on_mesh(x, layout_map.mesh, self.name), (args, kwargs))
-        if args:
-            support.record_input_spec(self, args[0])  # for compile's trace (tfpod.keras.support)
-        if not compat.is_functional(self):
-            _build_lazily(self, layout_map, args, kwargs)
-        with dtensor.default_mesh(layout_map.mesh):
-            return call_fn(self, *args, **kwargs)
+        with attention.using(layout_map.attention):
+            return _call_on_mesh(call_fn, self, layout_map, args, kwargs)
 
     return __call__
+
+
+def _call_on_mesh(call_fn, self, layout_map: KerasSharding, args, kwargs):
+    """A sharded model's call (see `_calling`)."""
+    if self.built:
+        return call_fn(self, *args, **kwargs)
+    if _symbolic(args, kwargs):  # nested in a functional model, which places the variables
+        with compat.layout_map_lib().layout_map_scope(layout_map):  # (tf_keras's own call drops Inputs)
+            return tf_keras.layers.Layer.__call__(self, *args, **kwargs)
+    args, kwargs = tf.nest.map_structure(lambda x: _on_mesh(x, layout_map.mesh, self.name), (args, kwargs))
+    if args:
+        support.record_input_spec(self, args[0])  # for compile's trace (tfpod.keras.support)
+    if not compat.is_functional(self):
+        _build_lazily(self, layout_map, args, kwargs)
+    with dtensor.default_mesh(layout_map.mesh):
+        return call_fn(self, *args, **kwargs)
 
 
 def _normalization_init(init_fn):

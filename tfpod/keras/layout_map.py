@@ -16,6 +16,7 @@ from tensorflow.experimental import dtensor
 
 from tfpod import UserError, compat
 from tfpod import partitioning as shardinglib
+from tfpod.attention import AttentionConfig
 
 log = logging.getLogger("tfpod")
 
@@ -84,10 +85,13 @@ class KerasSharding(compat.layout_map_lib().LayoutMap):
         heads, mlp and vocab over `model`).
       overrides: {logical axis: mesh axis or None} replacing entries of the table.
       cover_all: a variable no rule matches is an error (default: replicated).
+      attention: what the model's MultiHeadAttention layers attend with under fit, evaluate
+        and predict (tfpod.attention.AttentionConfig; default: blockwise, 512-token blocks).
     """
 
     def __init__(self, mesh: dtensor.Mesh, rules=None, preset: str = "tensor",
-                 overrides: Mapping[str, str | None] | None = None, cover_all: bool = False):
+                 overrides: Mapping[str, str | None] | None = None, cover_all: bool = False,
+                 attention: AttentionConfig | None = None):
         if not isinstance(mesh, dtensor.Mesh):
             raise UserError(
                 f"tfpod.sharding: mesh is a {type(mesh).__name__}, not a dtensor.Mesh: make one with "
@@ -98,8 +102,11 @@ class KerasSharding(compat.layout_map_lib().LayoutMap):
                 f"tfpod.sharding: the mesh's `{shardinglib.CONTEXT_AXIS}` axis (context parallelism) splits the sequence "
                 "of tfpod's own decoders (main.py's gpt, llama), which read their tokens' positions in its balanced "
                 "order; a Keras model under fit cannot: use a mesh without it, e.g. tfpod.make_mesh('data:-1,model:2')")
+        if attention is not None and not isinstance(attention, AttentionConfig):
+            raise UserError(f"tfpod.sharding: attention is a {type(attention).__name__}, not a "
+                            "tfpod.attention.AttentionConfig: e.g. AttentionConfig('materialized')")
         super().__init__(mesh=mesh)
-        self.mesh = mesh
+        self.mesh, self.attention = mesh, attention
         self.rules = _parse_rules(rules, mesh)
         self.table = shardinglib.rules_table(preset, overrides)
         shardinglib.get_preset(preset).check_keras(self.table, mesh)
@@ -200,7 +207,8 @@ def in_scope() -> bool:
 
 
 def sharding(mesh: dtensor.Mesh, rules=None, *, preset: str = "tensor",
-             overrides: Mapping[str, str | None] | None = None, cover_all: bool = False) -> KerasSharding:
+             overrides: Mapping[str, str | None] | None = None, cover_all: bool = False,
+             attention: AttentionConfig | None = None) -> KerasSharding:
     """`with tfpod.sharding(mesh, rules=...):` build a tf_keras model with sharded DVariables.
 
     See KerasSharding for the arguments. The rules are checked now; each variable is
@@ -209,7 +217,7 @@ def sharding(mesh: dtensor.Mesh, rules=None, *, preset: str = "tensor",
     Returns:
       The KerasSharding (a context manager; `report()` gives the layout report).
     """
-    return KerasSharding(mesh, rules, preset=preset, overrides=overrides, cover_all=cover_all)
+    return KerasSharding(mesh, rules, preset=preset, overrides=overrides, cover_all=cover_all, attention=attention)
 
 
 def layout_of(variable) -> dtensor.Layout:

@@ -37,17 +37,18 @@ The modules, each usable on its own (this package re-exports their public names)
   spatial      convolutions and pooling on image rows split over a mesh axis (halo exchange)
   stages       the `stage` axis: pipeline stages' sub-meshes, copies between them
   context      the `context` axis: sequences in balanced chunks (context parallelism)
-  dropout      dropout masks a resumed run replays, the same on every replica
+  dropout      dropout masks a resumed run replays, the same on every mesh
   placement    Placement: the mesh, the table, the update and gather axes, and which
                rows of the global batch each host feeds (host_rows, to_global, to_host)
 """
 
 
-from tfpod.partitioning.activations import activation_sharding, active_context, replicate, shard, split
+from tfpod.partitioning.activations import (activation_sharding, active_context, current_context, replicate, shard,
+                                           split, tracing)
 from tfpod.partitioning import context, spatial, stages
 from tfpod.partitioning.build import (build_sharded, compute_layout, gather_when_used, gathered_weights, rows_split,
                                       lazy_model, update_layout, variable_specs)
-from tfpod.partitioning.dropout import microbatch, random_layout, replayable_dropout
+from tfpod.partitioning.dropout import counter_uniform, microbatch, replayable_dropout
 from tfpod.partitioning.placement import (Placement, batch_mesh_axis, check_microbatches, host_rows, local_shards,
                                          place, split_microbatches)
 from tfpod.partitioning.report import bytes_per_device, layout_report
@@ -58,6 +59,8 @@ from tfpod.partitioning.rules import (CONTEXT_AXIS, LOGICAL_AXES, AxisRule, Shar
 __all__ = [
     "activation_sharding",
     "active_context",
+    "current_context",
+    "tracing",
     "replicate",
     "shard",
     "split",
@@ -69,8 +72,8 @@ __all__ = [
     "update_layout",
     "variable_specs",
     "lazy_model",
+    "counter_uniform",
     "microbatch",
-    "random_layout",
     "replayable_dropout",
     "Placement",
     "batch_mesh_axis",

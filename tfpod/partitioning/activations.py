@@ -4,11 +4,14 @@ Everything that changes what a traced step computes, beyond its arguments, is on
 immutable `StepContext`: the mesh and rules table the annotations lay activations out
 on, the number of microbatches the step accumulates and which one is being traced,
 which pipeline stage's ops are being built, whether weights read gathered (the `2d`
-preset), and a stage's prefetched variable copies. A placement's compile point
-(`Placement.compile`, and `Placement.activations` for an eval step) opens it; the
-executors change one field for a block of the trace (`within`). Entering a change
-outside a step is an error, not a silent no-op; outside any step (single-device export,
-plain Keras) the annotations return their input unchanged.
+preset), a stage's prefetched variable copies, and the attention kernel's config
+(tfpod.attention). A placement's compile point (`Placement.compile`, and
+`Placement.activations` for an eval step) opens it; the executors change one field for
+a block of the trace (`within`). Entering a change outside a step is an error, not a
+silent no-op. A trace that compiles no step on a placement (single-device export and
+serving, Keras's fit, the planner's build) opens a context without a mesh (`tracing`)
+for what it sets (its attention); there, as outside any context, the annotations return
+their input unchanged.
 """
 
 from __future__ import annotations
@@ -36,27 +39,40 @@ class StepContext:
       stage: the pipeline stage whose ops are being built (None: a step on one mesh).
       gathered: weights installed by `gather_when_used` read gathered (a forward pass).
       prefetched: {(variable id, mesh): its copy on this stage}, made before a tf.cond.
+      attention: the attention kernel's config (tfpod.attention.AttentionConfig; None: its
+        defaults), read where a model's attention is traced (`tfpod.attention.current`).
+
+    `mesh` is None in a context opened by `tracing` outside a step (nothing is laid out).
     """
-    mesh: dtensor.Mesh
+    mesh: dtensor.Mesh | None
     table: Mapping[str, str | None]
     microbatches: int = 1
     microbatch: Any = None
     stage: int | None = None
     gathered: bool = False
     prefetched: Mapping = dataclasses.field(default_factory=dict)
+    attention: Any = None
 
 
 _STEP = threading.local()
 
 
-def active_context() -> StepContext | None:
-    """The context of the step being traced, or None outside one."""
+def current_context() -> StepContext | None:
+    """The context of the trace in progress, with a mesh (a step's) or without (`tracing`'s),
+    or None outside any."""
     return getattr(_STEP, "value", None)
+
+
+def active_context() -> StepContext | None:
+    """The context of the step being traced on a mesh, or None outside one (and in a context
+    without a mesh: `tracing`'s)."""
+    context = current_context()
+    return None if context is None or context.mesh is None else context
 
 
 @contextlib.contextmanager
 def _entered(context: StepContext | None):
-    previous = active_context()
+    previous = current_context()
     _STEP.value = context
     try:
         yield context
@@ -69,6 +85,16 @@ def activation_sharding(mesh: dtensor.Mesh, table: Mapping[str, str | None], mic
     """A step's context on `mesh` with `table` (a placement's compile point opens it):
     within it `shard`/`split`/`replicate` relayout activations on `mesh`."""
     return _entered(StepContext(mesh, dict(table), microbatches, **fields))
+
+
+def tracing(**fields) -> contextlib.AbstractContextManager:
+    """A block of a trace with `fields` (StepContext fields besides the mesh's, e.g.
+    `attention=`) set: inside a step's context, that context with them; outside any, a
+    context without a mesh that holds only them (the annotations return their input there).
+    What a trace that compiles no step on a placement opens: single-device export and
+    serving, Keras's fit, the planner's build."""
+    context = current_context() or StepContext(mesh=None, table={})
+    return _entered(dataclasses.replace(context, **fields))
 
 
 def within(what: str, **changes) -> contextlib.AbstractContextManager:

@@ -1,15 +1,18 @@
-"""Mesh-wide random draws: dropout masks that a resumed run replays, equal on every replica.
+"""Mesh-wide random draws: dropout masks that a resumed run replays, equal on every mesh.
 
 `replayable_dropout` makes every Keras dropout layer of a model draw its mask from
-(train.seed, layer, step) with stateless ops, so a resumed run (the step is in the
-checkpoint) drops the same units as the run it continues, and a recomputed block draws
-its forward pass's masks. On a mesh every draw is made in `random_layout`, which keeps
-DTensor's per-device seeds right (see there).
+(train.seed, layer, step), so a resumed run (the step is in the checkpoint) drops the same
+units as the run it continues, and a recomputed block draws its forward pass's masks. The
+draw is a counter-based hash of that seed and each element's index (`counter_uniform`), not
+a random op: DTensor seeds a sharded random op per device from its coordinates on the mesh,
+so such a draw differs from one mesh to another (and once differed between the replicas of
+one mesh, see docs/benchmarks.md); the hash gives every mesh and layout one device's masks.
 """
 
 from __future__ import annotations
 
 import functools
+import math
 import zlib
 from typing import Sequence
 
@@ -18,35 +21,6 @@ from tensorflow.experimental import dtensor
 
 from tfpod import compat
 from tfpod.partitioning.activations import active_context, within
-
-
-def random_layout(shape: Sequence[int | None], mesh: dtensor.Mesh) -> dtensor.Layout:
-    """The one layout every random draw of a step on `mesh` is generated in.
-
-    DTensor gives each device of a sharded random op its own seed, computed from the
-    device's coordinates on the mesh axes the op's layout shards. It reuses that seed
-    computation between random ops of one function when their sharded axes match, but
-    the match compares only a prefix: an op sharded over `data` alone then takes the
-    seed of one sharded over `data` and `model`, and the devices of one `data` shard
-    draw different values for a tensor that is replicated over `model`. Under the
-    `tensor` preset that made the replicas of replicated weights drift apart as soon
-    as two dropouts with differently sharded inputs (embeddings and attention
-    probabilities) were on.
-
-    So every draw is made sharded over all axes of more than one device (the first
-    axis on the first dimension it divides, and so on), and relaid out to whatever
-    its consumer needs; a shape that cannot hold all of them is drawn replicated (each
-    device draws it whole, with the same seed). Either way the same seeds give the
-    same values on every device that holds the same element.
-    """
-    axes = [a for a in mesh.dim_names if mesh.dim_size(a) > 1]
-    specs = [dtensor.UNSHARDED] * len(shape)
-    for axis in axes:
-        free = [i for i, d in enumerate(shape) if specs[i] == dtensor.UNSHARDED and d and d % mesh.dim_size(axis) == 0]
-        if not free:
-            return dtensor.Layout.replicated(mesh, len(shape))
-        specs[free[0]] = axis
-    return dtensor.Layout(specs, mesh)
 
 
 def microbatch(index):
@@ -79,21 +53,58 @@ def _step_seed(step: tf.Variable, layer_seed: int) -> tf.Tensor:
     return tf.stack([first, tf.cast(step, tf.int64)])
 
 
-def _dropout(seed_fn, inputs: tf.Tensor, rate, noise_shape=None) -> tf.Tensor:
-    """tf.nn.experimental.stateless_dropout, with its mask drawn in `random_layout`.
+_GOLDEN = 0x9E3779B9  # 2^32 / golden ratio: the Weyl step between consecutive counters
 
-    On a mesh (inside `activation_sharding`) the uniform draw is relaid out to the one
-    layout all draws share, which keeps DTensor's per-device seeds right (see
-    `random_layout`); elsewhere it is TF's own stateless dropout.
+
+def _fmix(x: tf.Tensor) -> tf.Tensor:
+    """MurmurHash3's 32-bit finalizer (a bijection of uint32 that mixes every bit into every other)."""
+    for shift, factor in ((16, 0x85EBCA6B), (13, 0xC2B2AE35)):
+        x = tf.bitwise.bitwise_xor(x, tf.bitwise.right_shift(x, tf.constant(shift, tf.uint32)))
+        x = x * tf.constant(factor, tf.uint32)
+    return tf.bitwise.bitwise_xor(x, tf.bitwise.right_shift(x, tf.constant(16, tf.uint32)))
+
+
+def counter_bits(seed, shape: Sequence[int]) -> tf.Tensor:
+    """Uniform uint32 bits of the static `shape`, drawn from `seed` ([2] int64) by a
+    counter-based hash: element (i0, ..., ik) is fmix(... fmix(fmix(key + i0 * G) + i1 * G)
+    ... + ik * G), with `key` a hash of the seed. No random op: each device computes the
+    elements it holds, and they equal one device's whatever the mesh and the layout
+    (DTensor seeds a sharded random op per device, from its coordinates on the mesh).
+    Each dimension below 2^32."""
+    seed = tf.cast(seed, tf.int64)
+    key = tf.constant(_GOLDEN, tf.uint32)
+    for word in (seed[0], tf.bitwise.right_shift(seed[0], 32), seed[1], tf.bitwise.right_shift(seed[1], 32)):
+        word = tf.cast(tf.bitwise.bitwise_and(word, 0xFFFFFFFF), tf.uint32)
+        key = _fmix(tf.bitwise.bitwise_xor(key, word) + tf.constant(_GOLDEN, tf.uint32))
+    bits, rank = key, len(shape)
+    for i, size in enumerate(shape):
+        # (tf.reshape, not x[:, None]: a strided slice that adds an axis fails under DTensor)
+        index = tf.cast(tf.reshape(tf.range(size), [size if j == i else 1 for j in range(rank)]), tf.uint32)
+        bits = _fmix(bits + index * tf.constant(_GOLDEN, tf.uint32))  # grows to shape[:i + 1]
+    return bits
+
+
+def counter_uniform(seed, shape: Sequence[int]) -> tf.Tensor:
+    """Float32 uniforms in [0, 1) of `shape`: `counter_bits`' top 24 bits."""
+    bits = counter_bits(seed, shape)
+    return tf.cast(tf.bitwise.right_shift(bits, tf.constant(8, tf.uint32)), tf.float32) * (2.0 ** -24)
+
+
+def _dropout(seed_fn, inputs: tf.Tensor, rate, noise_shape=None) -> tf.Tensor:
+    """Dropout whose keep mask is `counter_uniform(seed_fn(), shape) >= rate`: the same
+    units on every mesh and layout as on one device (and off a mesh). A shape not known
+    when the step is traced takes TF's own stateless dropout (the same seed, another draw).
     """
-    active = active_context()
     shape = inputs.shape if noise_shape is None else tf.TensorShape(
         [d if d is not None else inputs.shape[i] for i, d in enumerate(noise_shape)])
-    if active is None or not shape.is_fully_defined():
+    if not shape.is_fully_defined():
         return tf.nn.experimental.stateless_dropout(inputs, rate, seed=seed_fn(), noise_shape=noise_shape)
-    uniform = tf.random.stateless_uniform(shape, seed=seed_fn(), dtype=inputs.dtype)
-    uniform = dtensor.relayout(uniform, random_layout(shape.as_list(), active.mesh))
-    keep = tf.cast(uniform >= rate, inputs.dtype)
+    # keep where uniform >= rate, the uniform being the bits' top 24 over 2^24 (as counter_uniform)
+    threshold = tf.constant(min(2 ** 32 - 1, math.ceil(rate * 2 ** 24) << 8), tf.uint32)
+    keep = tf.cast(counter_bits(seed_fn(), shape.as_list()) >= threshold, inputs.dtype)
+    active = active_context()
+    if active is not None and tf.executing_eagerly():  # (traced, DTensor lays the mask out where it is used)
+        keep = dtensor.copy_to_mesh(keep, dtensor.Layout.replicated(active.mesh, shape.rank))
     return inputs * tf.cast(1.0 / (1.0 - rate), inputs.dtype) * keep
 
 
@@ -104,8 +115,8 @@ def replayable_dropout(model: tf.Module, step: tf.Variable, seed: int) -> int:
     not in the checkpoint, so a resumed run would drop different units than the run it
     continues. Stateless masks seeded by the step counter (which is checkpointed) make
     the resumed steps the same as the uninterrupted ones, and make a recomputed block
-    draw the same masks as its forward pass. On a mesh the masks are drawn in
-    `random_layout` (see `_dropout`), which keeps replicated weights' replicas equal.
+    draw the same masks as its forward pass. The masks are `counter_uniform`'s (see `_dropout`):
+    one device's on every mesh, equal on every replica of a replicated weight's inputs.
 
     Returns:
       How many layers now draw replayable masks.

@@ -16,7 +16,7 @@ import dataclasses
 import functools
 import logging
 import math
-from typing import Callable, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 import tensorflow as tf
@@ -115,6 +115,9 @@ class Placement:
       preset: the Preset the table came from (its checks: Preset.check_run); a placement
         built by hand gets a Preset named 'custom' of its own table and axes, so every
         placement's run is checked the same way.
+      attention: the attention kernel every step compiled here traces with
+        (tfpod.attention.AttentionConfig, gin `attention.*`; None: its defaults), a field
+        of the step context like the mesh and the table.
     """
 
     mesh: dtensor.Mesh
@@ -123,6 +126,7 @@ class Placement:
     gather_axis: str | None = None
     stages: tuple = ()
     preset: Preset | None = None
+    attention: Any = None
 
     def __post_init__(self):
         if self.preset is None:
@@ -148,15 +152,17 @@ class Placement:
         return within(f"stage_activations({index})", mesh=self.stage(index).mesh, stage=index)
 
     @classmethod
-    def from_config(cls, config: ShardingConfig, default_preset: str, mesh, check: bool = True) -> Placement:
+    def from_config(cls, config: ShardingConfig, default_preset: str, mesh, check: bool = True,
+                    attention=None) -> Placement:
         """The placement `sharding.*` asks for on `mesh` (or on a list of pipeline stages'
-        meshes); a mesh axis nothing uses is an error (`check`)."""
+        meshes), its steps attending with `attention` (gin `attention.*`; None: the
+        defaults); a mesh axis nothing uses is an error (`check`)."""
         stages = tuple(mesh) if isinstance(mesh, (list, tuple)) else ()
         if stages:
             mesh = stages[0]
         placement = cls(mesh, config.table(default_preset, mesh.dim_names), config.optimizer_axis(default_preset),
                         config.gather_axis(default_preset), stages if len(stages) > 1 else (),
-                        get_preset(config.preset or default_preset))
+                        get_preset(config.preset or default_preset), attention)
         if config.sequence_parallel and CONTEXT_AXIS in mesh.dim_names and placement.table.get("sequence") == CONTEXT_AXIS:
             logging.getLogger("tfpod").warning("sharding.sequence_parallel=True on a mesh with a `context` axis: the stream between "
                             "blocks is split along the sequence over `context` already, not also over `model` "
@@ -169,15 +175,16 @@ class Placement:
 
     def activations(self, microbatches: int = 1) -> contextlib.AbstractContextManager:
         """A step's context on this placement (partitioning.activations.StepContext): within
-        it models' activation annotations relayout on this mesh."""
-        return activation_sharding(self.mesh, self.table, microbatches)
+        it models' activation annotations relayout on this mesh, and attention traces with
+        this placement's."""
+        return activation_sharding(self.mesh, self.table, microbatches, attention=self.attention)
 
     def compile(self, fn: Callable, microbatches: int = 1) -> Callable:
         """`fn` as a tf.function (traced as written, no autograph) that is traced and run only
         inside this placement's step context (`activations`): the one point where a step
         learns the mesh and table its annotations (`shard`, `split`, `replicate`) lay
-        activations out on, and how many microbatches it accumulates. The result keeps
-        `experimental_get_tracing_count`."""
+        activations out on, how many microbatches it accumulates, and its attention kernel.
+        The result keeps `experimental_get_tracing_count`."""
         compiled = tf.function(fn, autograph=False)
 
         @functools.wraps(fn)

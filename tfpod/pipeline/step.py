@@ -1,18 +1,26 @@
-"""The pipelined step's executor and eval forward: a StagedModel run over stage sub-meshes.
+"""The pipeline's executor (tfpod.executor.Executor) and eval forward: a StagedModel run over
+stage sub-meshes.
 
-The trainer's compiled loop (tfpod.trainer.make_train_loop) calls `loss_and_gradients`
-for each step and ends it in the one update every model's step ends in
-(tfpod.optimizers.Update.step: norm, clipping, finiteness, each stage updating its own
-weights). Every (stage, microbatch) forward runs under its own GradientTape on its
-stage's mesh; its output is copied to the next stage (`stages.to_mesh`), and its
-backward is that tape's gradient given the next stage's input gradient, so the backward
-reuses the forward's activations. DTensor splits the function into one program per mesh
-that run concurrently and exchange the copies, so a stage computes while the others do;
-what orders a stage's own actions is the schedule: each action's entry tensor (a
-forward's input, a backward's incoming gradient) waits on the previous action of that
-stage (`after`: a data dependency), so under 1F1B the next forward cannot start, and
-allocate, before the backward that frees a microbatch. Gradients accumulate over the
-microbatches.
+The trainer's compiled step calls `loss_and_gradients` and ends it in the one update every
+model's step ends in (tfpod.optimizers.Update.step, with the stages' `homes`: norm,
+clipping, finiteness, each stage updating its own weights). Every (stage, microbatch)
+forward runs under its own GradientTape on its stage's mesh; its output is copied to the
+next stage (`stages.to_mesh`), and its backward is that tape's gradient given the next
+stage's input gradient, so the backward reuses the forward's activations. DTensor splits the
+function into one program per mesh that run concurrently and exchange the copies, so a stage
+computes while the others do; what orders a stage's own actions is the schedule: each
+action's entry tensor (a forward's input, a backward's incoming gradient) waits on the
+previous action of that stage (`after`: a data dependency), so under 1F1B the next forward
+cannot start, and allocate, before the backward that frees a microbatch. Gradients
+accumulate over the microbatches as on one mesh (tfpod.executor.Accumulation), in the
+schedule's order.
+
+A pipelined step spans the stages' meshes, which DTensor cannot carry through a while
+loop ("CopyToMesh acrosses Clusters should have been lowered to DTensorSend/DTensorRecv");
+unrolling the steps in the trace instead compiles n times as long for no faster step
+(docs/benchmarks.md, "Pipeline steps per call"), so each step is one compiled call, and
+the loop over a call's steps runs on the host, fetching the losses once at its end
+(`make_loop`).
 """
 
 from __future__ import annotations
@@ -22,11 +30,28 @@ from typing import Mapping, Sequence
 import numpy as np
 import tensorflow as tf
 
-from tfpod import compat
+from tfpod import UserError, compat, optimizers, runtime
+from tfpod.executor import Accumulation, Executor, LoopFn, StepFn
 from tfpod.partitioning import Placement, gathered_weights, layout_for, shard, stages
 from tfpod.partitioning.dropout import microbatch
 from tfpod.pipeline import schedules
-from tfpod.task import LossTerms, StagedModel
+from tfpod.pipeline.homes import StageHomes
+from tfpod.task import LossTerms, StagedModel, Task
+
+
+def check_pipelines(task, able: str = "") -> None:
+    """One UserError line when `task` declares no stages (Task.pipelines); `able` names the
+    models that do (the caller's registry: this package sits below the models)."""
+    if not task.pipelines:
+        raise UserError(f"model {task.name!r} does not run in pipeline stages (a `stage` mesh axis): pipelines "
+                        f"are for {able or 'models whose Task declares stages'}; drop the stage axis "
+                        f"(train.microbatches alone accumulates gradients for every model)")
+
+
+def staged_model(task, model) -> StagedModel:
+    """The task's StagedModel of `model`; a task that does not pipeline is one UserError."""
+    check_pipelines(task)
+    return task.staged(model)
 
 
 def stage_blocks(staged: StagedModel, num_stages: int) -> list[list]:
@@ -68,29 +93,44 @@ def after(x: tf.Tensor, previous: Sequence[tf.Tensor]) -> tf.Tensor:
     return x + tf.cast(gate, x.dtype)
 
 
-class Pipeline:
-    """A StagedModel over the placement's stages: the step's executor (its loss and
-    gradients, `loss_and_gradients`) and the eval forward.
+class Pipeline(Executor):
+    """The step over the placement's stages (tfpod.executor.Executor): the task's StagedModel,
+    each weight on its stage's mesh, a schedule's forwards and backwards over the
+    microbatches, the eval forward through the stages.
 
     Args:
-      staged: the model cut into pieces (Task.staged).
-      loss_counts: the task's (Task.loss_counts): what each of `staged.loss_sums` is averaged over.
-      placement: the mesh's stages (one stage: gradient accumulation over microbatches).
-      variables: the trainable variables, in the optimizer update's order (each on its stage).
-      schedule: "gpipe" or "1f1b".
+      task: the task (it declares stages: Task.pipelines).
+      placement: the mesh's stages.
       microbatches: microbatches per step.
+      schedule: "gpipe" or "1f1b".
     """
 
-    def __init__(self, staged: StagedModel, loss_counts, placement: Placement, variables: Sequence, schedule: str,
-                 microbatches: int):
-        self.staged, self.loss_counts, self.placement = staged, loss_counts, placement
-        self.microbatches = microbatches
+    def __init__(self, task: Task, placement: Placement, microbatches: int = 1, schedule: str = "gpipe"):
+        super().__init__(task, placement, microbatches)
         self.num_stages = p = placement.num_stages
-        self.stage_blocks = stage_blocks(staged, p)
         self.meshes = [placement.stage(s).mesh for s in range(p)]
         self.order = [(s, action) for _, s, action in schedules.timeline(schedules.schedule(schedule, p, microbatches))]
-        self.variables = list(variables)
-        self.homes = [self.home(v) for v in self.variables]
+        self.staged, self.stage_blocks, self.homes_of = None, None, []
+
+    def variable_stages(self, model) -> dict[int, int]:
+        return variable_stages(staged_model(self.task, model), self.num_stages)
+
+    def bind(self, model, update: optimizers.Update, state) -> None:
+        """Makes every weight, and the optimizer's step counter and hyperparameters (on the first
+        stage), readable on every stage, and checkpoints write and read the other stages'
+        state through the first (TrainState.save_through)."""
+        super().bind(model, update, state)
+        for v in model.variables + update.scalars():
+            stages.follow_active_mesh(v)
+        state.save_through(model.variables + optimizers.slot_variables(update.optimizer) + update.shadow_list(),
+                           self.placement.mesh)
+        self.staged = staged_model(self.task, model)
+        self.stage_blocks = stage_blocks(self.staged, self.num_stages)
+        self.homes_of = [self.home(v) for v in self.variables]
+
+    @property
+    def homes(self) -> StageHomes:
+        return StageHomes(self.placement, self.homes_of)
 
     def home(self, variable) -> int:
         """The stage a variable lives on."""
@@ -118,35 +158,54 @@ class Pipeline:
 
     # -- host side ----------------------------------------------------------------
 
-    def to_device(self, host_batch: Mapping[str, np.ndarray], feature_axes) -> list[dict]:
+    def _pack(self, host_batch: Mapping[str, np.ndarray]) -> list[dict]:
         """This host's batch packed on every stage's mesh (each stage reads the features it needs)."""
-        return [self.placement.stage(s).to_global(host_batch, feature_axes) for s in range(self.num_stages)]
+        axes = self.task.batch_axes()
+        return [self.placement.stage(s).to_global(host_batch, axes) for s in range(self.num_stages)]
 
-    def to_stages(self, host_batch: Mapping[str, np.ndarray], feature_axes) -> list[list[dict]]:
+    def to_stages(self, host_batch: Mapping[str, np.ndarray]) -> list[list[dict]]:
         """One step's batch for `loss_and_gradients`: [stage][microbatch], each microbatch packed
         on every stage's mesh."""
-        split = self.placement.split_microbatches(host_batch, self.microbatches, feature_axes)
+        split = self.placement.split_microbatches(host_batch, self.microbatches, self.task.batch_axes())
         # Each microbatch packed on its own (slicing one [M, rows, ...] DTensor lost the
         # layout of features with unsharded trailing dimensions, e.g. BERT's predictions).
-        packed = [self.to_device({k: v[i] for k, v in split.items()}, feature_axes) for i in range(self.microbatches)]
+        packed = [self._pack({k: v[i] for k, v in split.items()}) for i in range(self.microbatches)]
         return [[packed[i][s] for i in range(self.microbatches)] for s in range(self.num_stages)]
+
+    def to_device(self, host_stack: Mapping[str, np.ndarray], num_steps: int) -> list[list[list[dict]]]:
+        """The first `num_steps` steps of this host's stack, each packed by `to_stages`."""
+        return [self.to_stages({k: v[n] for k, v in host_stack.items()}) for n in range(num_steps)]
+
+    def make_loop(self, step: StepFn, steps_per_loop: int) -> LoopFn:
+        """Each step one compiled call; the host runs the call's steps back to back and fetches
+        their losses once, at the end (see the module docstring)."""
+        compiled = self.placement.compile(step, self.microbatches)
+
+        def host_loop(steps, num_steps: int):
+            results = [compiled(batch) for batch in steps[:num_steps]]
+            losses, norms = np.zeros([steps_per_loop], np.float32), np.zeros([steps_per_loop], np.float32)
+            for i, (loss, norm) in enumerate(results):
+                losses[i], norms[i] = runtime.to_host(loss), runtime.to_host(norm)
+            return losses[:num_steps], norms[:num_steps]
+
+        host_loop.experimental_get_tracing_count = compiled.experimental_get_tracing_count
+        return host_loop
 
     # -- the compiled step ----------------------------------------------------------
 
     def loss_and_gradients(self, stage_batches: Sequence[Sequence[Mapping[str, tf.Tensor]]]) -> tuple:
-        """The executor: the schedule's forwards and backwards over stage_batches[stage][microbatch]:
-        (the step's loss on the last stage, per variable its gradient on its stage). The update
-        is the trainer's (optimizers.Update.step, with `homes`)."""
+        """The schedule's forwards and backwards over stage_batches[stage][microbatch]: (the
+        step's loss on the last stage, per variable its gradient on its stage)."""
         grads, objectives = self._forwards_and_backwards(stage_batches)
         return self._loss(objectives), grads
 
     def _forwards_and_backwards(self, stage_batches: Sequence[Sequence[Mapping[str, tf.Tensor]]]) -> tuple[list, dict]:
-        """The schedule's actions on stage_batches[stage][microbatch]: (per variable its gradient summed over the microbatches,
-        {(stage, microbatch): that forward's own loss term or None})."""
+        """The schedule's actions on stage_batches[stage][microbatch]: (per variable its gradient summed over the
+        microbatches, {(stage, microbatch): that forward's own share of the loss or None})."""
         staged, p, m = self.staged, self.num_stages, self.microbatches
         last = p - 1
         with self.placement.stage_activations(last):
-            totals = LossTerms.step_counts([self.loss_counts(stage_batches[last][i]) for i in range(m)])
+            accumulation = Accumulation(self.task.loss_counts, [stage_batches[last][i] for i in range(m)])
         tapes, inputs, outputs, objectives, input_grads = {}, {}, {}, {}, {}
         grads = [None] * len(self.variables)
         previous = [[] for _ in range(p)]  # what the stage's last action produced
@@ -161,9 +220,9 @@ class Pipeline:
                             tape.watch(x_in)
                         x = after(staged.first(batch, True), previous[s]) if s == 0 else x_in
                         x, aux = self.run_blocks(s, x, batch, True)
-                        objective = tf.add_n(aux) / m if aux else None
+                        objective = accumulation.share(LossTerms([], aux=tf.add_n(aux))) if aux else None
                         if s == last:
-                            head = LossTerms(staged.loss_sums(x, batch, True)).loss(totals)
+                            head = accumulation.share(LossTerms(staged.loss_sums(x, batch, True)))
                             objective = head if objective is None else objective + head
                     tapes[(s, i)], inputs[(s, i)], outputs[(s, i)], objectives[(s, i)] = tape, x_in, x, objective
                     previous[s] = [x] + ([objective] if objective is not None else [])
@@ -177,17 +236,11 @@ class Pipeline:
                     watched = {id(compat.inner_variable(w)) for w in tape.watched_variables()}
                     used = [j for j, v in enumerate(self.variables) if id(compat.inner_variable(v)) in watched]
                     sources = ([inputs[(s, i)]] if s > 0 else []) + [self.variables[j] for j in used]
-                    result = tape.gradient(targets, sources, output_gradients=seeds)
+                    result = accumulation.gradients(tape, targets, sources, output_gradients=seeds)
                     if s > 0:
                         input_grads[(s, i)], result = result[0], result[1:]
-                    own = []
-                    for j, g in zip(used, result):
-                        if g is None:
-                            continue
-                        g = tf.convert_to_tensor(g)  # IndexedSlices -> dense
-                        grads[j] = g if grads[j] is None else grads[j] + g
-                        if self.homes[j] == s:
-                            own.append(grads[j])
+                    grads = accumulation.add(grads, result, used)
+                    own = [grads[j] for j, g in zip(used, result) if g is not None and self.homes_of[j] == s]
                     previous[s] = ([input_grads[(s, i)]] if s > 0 else []) + own
                     inputs.pop((s, i), None)
 
@@ -208,8 +261,12 @@ class Pipeline:
 
     # -- evaluation ---------------------------------------------------------------
 
-    def forward(self, stage_batches: Sequence[Mapping[str, tf.Tensor]]) -> tf.Tensor:
-        """The model's outputs (StagedModel.outputs, on the last stage) of one batch, no microbatches."""
+    def eval_to_device(self, host_batch: Mapping[str, np.ndarray]) -> list[dict]:
+        return self._pack(host_batch)
+
+    def eval_forward(self, stage_batches: Sequence[Mapping[str, tf.Tensor]]) -> tuple[tf.Tensor, Mapping]:
+        """(the model's outputs (StagedModel.outputs, on the last stage) of one batch, no
+        microbatches; the last stage's batch, which the metric reads)."""
         staged, last = self.staged, self.num_stages - 1
         x = None
         for s in range(self.num_stages):
@@ -218,4 +275,4 @@ class Pipeline:
                 x = staged.first(batch, False) if s == 0 else self.receive(x, s - 1, s)
                 x, _ = self.run_blocks(s, x, batch, False)
         with self.placement.stage_activations(last):
-            return staged.outputs(x, stage_batches[last])
+            return staged.outputs(x, stage_batches[last]), stage_batches[last]

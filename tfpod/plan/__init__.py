@@ -26,7 +26,7 @@ import os
 
 from tfpod import UserError, run_folder
 from tfpod.plan import devices
-from tfpod.plan.planner import Choice, Planner, summary
+from tfpod.plan.planner import Choice, Planner, build_context, summary
 from tfpod.plan.search import describe_best, search, top_table
 
 log = logging.getLogger("tfpod")
@@ -132,7 +132,7 @@ def predict_checkpoint_bytes(configs) -> tuple[int, int]:
     from tfpod.precision import precision_policy
 
     task, model_config = configs.task, configs.model
-    with precision_policy(configs.train.precision), lazy.recorded_build():
+    with precision_policy(configs.train.precision), build_context(configs), lazy.recorded_build():
         _, specs = partitioning.lazy_model(lambda: task.build(model_config), task.input_signature(model_config))
     parameters = sum(math.prod(s.shape) for s in specs)
     return memory.checkpoint_bytes(specs, configs.optimizer, adapters_only=configs.lora is not None), parameters

@@ -32,6 +32,14 @@ MEMORY_MARGIN = 0.10  # a plan fits when its total leaves this fraction of the d
 BUILD_BLOCK_SIZE = 2**30  # blockwise attention's block in the planner's build (the variables do not depend on it)
 
 
+def build_context(configs):
+    """The context the planner traces a run's model in (it compiles no step: tfpod.attention.using):
+    the run's attention with one block pair per attention, enough for shapes, where the run's
+    block size would unroll (length / block)^2 / 2 of them (minutes of graph building at
+    131,072 tokens)."""
+    return attention.using(dataclasses.replace(configs.attention or attention.DEFAULT, block_size=BUILD_BLOCK_SIZE))
+
+
 @dataclasses.dataclass(frozen=True)
 class Choice:
     """What a plan varies: the mesh spec and the switches that change memory and time.
@@ -79,17 +87,11 @@ class Planner:
         self.num_hosts = num_devices // self.devices_per_host
         task, model_config = configs.task, configs.model
         log.info("plan: building %s with lazily initialized variables (nothing is allocated) ...", task.name)
-        kernel = attention.current()
-        # The build traces shapes only: one block pair per attention is enough, where the run's block size
-        # would unroll (length / block)^2 / 2 of them (minutes of graph building at 131,072 tokens).
-        attention.use(dataclasses.replace(kernel, block_size=BUILD_BLOCK_SIZE))
-        try:
-            with precision_policy(configs.train.precision), lazy.recorded_build() as outputs:
-                self.model, self.specs = partitioning.lazy_model(lambda: task.build(model_config),
-                                                                 task.input_signature(model_config))
-        finally:
-            attention.use(kernel)
-        self.profile = task.plan_profile(model_config, outputs)
+        with precision_policy(configs.train.precision), build_context(configs), lazy.recorded_build() as outputs:
+            self.model, self.specs = partitioning.lazy_model(lambda: task.build(model_config),
+                                                             task.input_signature(model_config))
+        with attention.using(configs.attention):  # the step the profile describes attends with the run's
+            self.profile = task.plan_profile(model_config, outputs)
         if self.profile is None:
             raise UserError(f"model {task.name!r} has no plan profile (Task.plan_profile): the planner cannot "
                             "predict its activations")
