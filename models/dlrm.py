@@ -266,6 +266,7 @@ class DLRMTask(Task):
     loss_counts = staticmethod(loss_counts)
     serving = staticmethod(serving)
     serves = True
+    sparse_tables = True
     host_eval_metrics = staticmethod(host_eval_metrics)
     plan_profile = staticmethod(plan_profiles.dlrm)
 

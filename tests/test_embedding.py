@@ -13,9 +13,11 @@ import tensorflow as tf
 import tf_keras
 from tensorflow.experimental import dtensor
 
-from tfpod import embedding, optimizers, partitioning, runtime
+from tfpod import embedding, optimizers, partitioning, runtime, trainer
+from tfpod.embedding.executor import TablesExecutor
 from tfpod.mesh import make_mesh
 from tfpod.partitioning import AxisRule
+from tfpod.task import LossTerms
 
 CPU0 = "/job:localhost/replica:0/task:0/device:CPU:0"
 AXES = {"a": ("batch", None), "b": ("batch", None), "c": ("batch", None), "y": ("batch",)}
@@ -125,14 +127,35 @@ def test_dedupe_sums_repeated_ids():
     assert not rows.values.numpy()[3:].any()
 
 
-def train(model, placement, tables, update, stack, clip):
-    def loss_and_gradients(batch):
-        with tf.GradientTape() as tape:
-            loss = tf.reduce_mean(tf.square(model(batch) - batch["y"]))
-        return loss, embedding.with_rows(model.trainable_variables, tape.gradient(loss, model.trainable_variables))
+class Task:
+    """The task the Trainer's executor reads: the mean squared error of the model's output."""
 
-    loop = embedding.make_train_loop(loss_and_gradients, update, clip, 1, placement, tables, AXES)
-    return loop(stack, len(stack["y"]))
+    name = "m"
+
+    @staticmethod
+    def loss_terms(model, batch, training):
+        return LossTerms([tf.reduce_sum(tf.square(model(batch) - batch["y"]))])
+
+    @staticmethod
+    def loss_counts(batch):
+        return [tf.cast(tf.size(batch["y"]), tf.float32)]
+
+    @staticmethod
+    def batch_axes():
+        return AXES
+
+    @staticmethod
+    def model_inputs(batch):
+        return batch
+
+
+def train(model, placement, update, stack, clip):
+    """The Trainer's loop of steps on the tables' executor (lookups, the one update, the rows)."""
+    executor = TablesExecutor(Task(), placement)
+    executor.bind(model, update, None)
+    loop = trainer.make_train_loop(executor, update, clip, 1)
+    steps = len(stack["y"])
+    return loop(executor.to_device(stack, steps), steps)
 
 
 def lazy_adam(var, m, v, indices, values, lr, step, b1=0.9, b2=0.999, eps=1e-7):
@@ -159,7 +182,7 @@ def test_sparse_updates_equal_plain_keras_over_steps(kind):
     mesh = placement.mesh
     ref = reference(model, mesh)
     stack = batches(4)
-    losses, norms = train(model, placement, tables, update, stack, clip=0.5)
+    losses, norms = train(model, placement, update, stack, clip=0.5)
     with tf.device(CPU0):
         ref_optimizer = make()
         tables_ref = {id(ref.a.embeddings), id(ref.b.embeddings), id(ref.c.embeddings)}
@@ -201,7 +224,7 @@ def test_a_nonfinite_step_changes_nothing_but_the_counter():
     slots = [full(update.optimizer.get_slot(v, "accumulator"), mesh) for v in model.trainable_variables]
     stack = batches(1)
     stack["y"][0, 3] = np.nan
-    losses, _ = train(model, placement, tables, update, stack, clip=None)
+    losses, _ = train(model, placement, update, stack, clip=None)
     assert np.isnan(losses[0]) and int(runtime.to_host(update.optimizer.iterations)) == 1
     for v, b in zip(model.variables, before):
         np.testing.assert_array_equal(full(v, mesh), b)

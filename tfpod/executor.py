@@ -3,12 +3,15 @@ gradient accumulation written once.
 
 A train step is an executor's loss and gradients followed by the one update
 (tfpod.optimizers.Update.step); the Trainer (tfpod.trainer) picks the executor once per
-run and never asks which one it has. Two implement the interface:
+run and never asks which one it has. Three implement the interface:
 
-  OneMesh    the step on one mesh, its microbatches accumulated in a tf.while_loop, and
-             `steps_per_loop` steps in one compiled tf.while_loop over stacked batches;
-  Pipeline   (tfpod.pipeline) the step over the stages' sub-meshes in a schedule's order,
-             each step one compiled call, the loop's steps run by the host.
+  OneMesh         the step on one mesh, its microbatches accumulated in a tf.while_loop,
+                  and `steps_per_loop` steps in one compiled tf.while_loop over stacked batches;
+  Pipeline        (tfpod.pipeline) the step over the stages' sub-meshes in a schedule's
+                  order, each step one compiled call, the loop's steps run by the host;
+  TablesExecutor  (tfpod.embedding.executor) OneMesh's step for a model with embedding
+                  tables: their lookups before each compiled step and their sparse row
+                  updates after it, on the devices that hold the rows, run by the host.
 
 An executor answers, through `homes`, where each gradient lives and where its update runs
 (optimizers.GradientHomes); `Update` answers how a gradient updates its weight, so a new
@@ -26,7 +29,7 @@ executor decides only the order of the shares.
 from __future__ import annotations
 
 import abc
-from typing import Callable, Mapping, Sequence
+from typing import Callable, Collection, Mapping, Sequence
 
 import numpy as np
 import tensorflow as tf
@@ -46,24 +49,31 @@ class Accumulation:
     Args:
       loss_counts: Task.loss_counts (what each loss sum is averaged over, from a batch).
       batches: the step's microbatches (on the mesh; traced), whose counts are summed first.
+      sparse: the sources (by id()) whose gradients stay rows, tf.IndexedSlices, never
+        densified: an embedding table's (tfpod.embedding.executor). Their rows are not added
+        across microbatches: an executor with them runs one microbatch per step.
     """
 
-    def __init__(self, loss_counts: Callable[[Mapping], Sequence[tf.Tensor]], batches: Sequence[Mapping]):
+    def __init__(self, loss_counts: Callable[[Mapping], Sequence[tf.Tensor]], batches: Sequence[Mapping],
+                 sparse: Collection[int] = ()):
         self.microbatches = len(batches)
         self.counts = LossTerms.step_counts([loss_counts(b) for b in batches])
+        self.sparse = frozenset(sparse)
 
     def share(self, terms: LossTerms) -> tf.Tensor:
         """A microbatch's share of the step's loss: its sums over the whole step's counts, plus
         its aux term / microbatches (terms without sums: a pipeline stage's aux terms alone)."""
         return terms.loss(self.counts if terms.sums else [], self.microbatches)
 
-    @staticmethod
-    def gradients(tape: tf.GradientTape, target, sources: Sequence, output_gradients=None) -> list:
+    def gradients(self, tape: tf.GradientTape, target, sources: Sequence, output_gradients=None) -> list:
         """The tape's gradients of `target` with respect to `sources`, dense (None where none
         reaches): DTensor has no layout propagation for ResourceScatterAdd, so an embedding's
-        IndexedSlices are densified before they are added or applied."""
-        grads = tape.gradient(target, list(sources), output_gradients=output_gradients)
-        return [None if g is None else tf.convert_to_tensor(g) for g in grads]
+        IndexedSlices are densified before they are added or applied; those of the `sparse`
+        sources stay the rows they are."""
+        sources = list(sources)
+        grads = tape.gradient(target, sources, output_gradients=output_gradients)
+        return [g if g is None or (id(v) in self.sparse and isinstance(g, tf.IndexedSlices))
+                else tf.convert_to_tensor(g) for v, g in zip(sources, grads)]
 
     @staticmethod
     def add(total: Sequence, more: Sequence, indices: Sequence[int] | None = None) -> list:
@@ -147,7 +157,13 @@ class OneMesh(Executor):
 
     With microbatches > 1 each step's batch comes as [microbatches, rows / microbatches, ...]
     (`Placement.split_microbatches`: each microbatch split over the batch axis like the batch).
+
+    Attributes:
+      sparse: ids of the variables whose gradients stay rows (`Accumulation`'s `sparse`; a
+        subclass sets them: tfpod.embedding.executor's tables).
     """
+
+    sparse: frozenset = frozenset()
 
     def to_device(self, host_stack: Mapping[str, np.ndarray], num_steps: int) -> dict[str, tf.Tensor]:
         del num_steps  # the whole stack is packed; the loop runs num_steps of it
@@ -171,9 +187,9 @@ class OneMesh(Executor):
                 return loss, accumulation.gradients(tape, loss, variables)
 
         if m == 1:
-            return share(Accumulation(task.loss_counts, [batch]), batch, None)
+            return share(Accumulation(task.loss_counts, [batch], self.sparse), batch, None)
         take = lambda j: {k: tf.gather(v, j) for k, v in batch.items()}
-        accumulation = Accumulation(task.loss_counts, [take(j) for j in range(m)])
+        accumulation = Accumulation(task.loss_counts, [take(j) for j in range(m)], self.sparse)
         loss, grads = share(accumulation, take(0), 0)  # the first outside the loop: its gradients' layouts start it
 
         def body(j, loss, grads):

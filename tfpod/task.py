@@ -49,6 +49,9 @@ class Task(abc.ABC):
       skips_corrupt: the data config has `skip_corrupt` (skip unreadable records).
       lower_is_better: eval metrics a target is reached by going below (the rest: above).
       serves: `serving` exports the model (else --mode=export is refused in one line).
+      sparse_tables: the model's tfpod.embedding tables are looked up on the devices that
+        hold their rows and updated by rows (tfpod.embedding.executor.TablesExecutor runs
+        its steps).
     """
 
     name: ClassVar[str]
@@ -64,6 +67,7 @@ class Task(abc.ABC):
     skips_corrupt: ClassVar[bool] = False
     lower_is_better: ClassVar[frozenset] = frozenset({"loss", "perplexity"})
     serves: ClassVar[bool] = False
+    sparse_tables: ClassVar[bool] = False
     # Set on the task tfpod.lora.adapt makes (its model has low-rank adapters): the LoraConfig
     # and the task it adapts.
     lora: ClassVar[Any] = None

@@ -1,7 +1,8 @@
 """The inner trainer: a built, placed model and optimizer, and the compiled steps on them.
 
 `Trainer` picks the run's executor once (`executor_for`: tfpod.executor.OneMesh on one
-mesh, tfpod.pipeline.Pipeline over stages), builds the task's model sharded by the
+mesh, tfpod.pipeline.Pipeline over stages, tfpod.embedding.executor.TablesExecutor for
+embedding tables), builds the task's model sharded by the
 placement's rules (nothing is allocated before every variable is checked), under the run's
 precision policy (the global policy is restored afterwards), its optimizer with the state
 laid out for the placement (optimizers.Update), and the dropout generator; then compiles
@@ -24,6 +25,7 @@ import numpy as np
 import tf_keras
 
 from tfpod import compat, evaluation, optimizers, partitioning, runtime
+from tfpod.embedding.executor import TablesExecutor
 from tfpod.executor import Executor, LoopFn, OneMesh, StepFn
 from tfpod.partitioning import Placement
 from tfpod.pipeline import Pipeline
@@ -33,7 +35,10 @@ from tfpod.train_state import TrainState
 
 
 def executor_for(task: Task, placement: Placement, microbatches: int = 1, schedule: str = "gpipe") -> Executor:
-    """The run's executor, chosen once: a Pipeline over the placement's stages, else OneMesh."""
+    """The run's executor, chosen once: a Pipeline over the placement's stages, TablesExecutor
+    for a model with embedding tables, else OneMesh."""
+    if task.sparse_tables:  # (it refuses stages, microbatches and a sharded update)
+        return TablesExecutor(task, placement, microbatches)
     if placement.num_stages > 1:
         return Pipeline(task, placement, microbatches, schedule)
     return OneMesh(task, placement, microbatches)

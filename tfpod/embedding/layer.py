@@ -27,7 +27,7 @@ import tensorflow as tf
 import tf_keras
 from tensorflow.experimental import dtensor
 
-from tfpod import UserError, compat
+from tfpod import UserError, compat, partitioning
 
 COMBINERS = (None, "sum", "mean")
 _ACTIVE = threading.local()
@@ -138,8 +138,13 @@ def from_partials(layer: TableLayer, ids, scope: LookupScope) -> tf.Tensor:
     def output(x):
         # Marks the table as read here, so that its gradient is `grad`'s rows. The read
         # shares the shards' buffers (Tables.apply turns the copy-on-read of sparse
-        # updates off), and nothing uses its value.
-        table.value()
+        # updates off), and nothing uses its value; it is never gathered (the `2d` preset
+        # gathers weights where layers read them: a table is read by its shards' rows).
+        if partitioning.active_context() is None:
+            table.value()
+        else:
+            with partitioning.gathered_weights(False):
+                table.value()
         y = dtensor.relayout(tf.reduce_sum(x, axis=0), layout)  # [batch, (hot,) width]
         if mean:
             y = y / count[:, None]
@@ -195,6 +200,10 @@ class Embedding(TableLayer, tf_keras.layers.Layer):
         scope = active_scope()
         if scope is not None and id(self) in scope.partials:
             return tf.cast(from_partials(self, ids, scope), self.compute_dtype)
+        if partitioning.active_context() is not None and partitioning.rows_split(self.embeddings):
+            raise UserError(f"embedding {self.name}: its table's rows are split over the mesh, and the step has none "
+                            "of its shards' lookups: the model's task must declare `sparse_tables = True` "
+                            "(tfpod.embedding.executor.TablesExecutor runs its steps)")
         return tf.cast(lookup(self.embeddings, ids, self.combiner), self.compute_dtype)
 
     def compute_output_shape(self, input_shape):

@@ -43,6 +43,14 @@ class Rows:
     ids: tf.Tensor
     values: tf.Tensor
 
+    @property
+    def dtype(self) -> tf.DType:
+        return self.values.dtype
+
+    def __mul__(self, scale: tf.Tensor) -> "Rows":
+        """The rows scaled as a gradient is (`optimizers.Update.scaled`'s clipping)."""
+        return Rows(self.ids, self.values * scale)
+
 
 @dataclasses.dataclass(frozen=True)
 class SparseRule:

@@ -16,7 +16,7 @@ resource, and ordinary TensorFlow functions run on them, one op group per device
            shards (tfpod.embedding.layer): the table's row axis reduces the partial
            lookups, and each device's work follows the ids, not the rows.
   apply    after a step: the step returns each table's gradient rows, de-duplicated
-           and clipped (tfpod.embedding.training), replicated; every device updates the
+           and clipped (tfpod.embedding.executor, homes), replicated; every device updates the
            rows of its shard among them, and their optimizer slots, in place
            (tfpod.embedding.sparse).
 
@@ -86,12 +86,6 @@ def find_layers(model) -> list:
             seen.add(id(layer))
             out.append(layer)
     return out
-
-
-def dense_weights(model, variables) -> list:
-    """`variables` without the model's embedding tables (which are read and updated by rows only)."""
-    tables = {id(compat.inner_variable(layer.embeddings)) for layer in find_layers(model)}
-    return [v for v in variables if id(compat.inner_variable(v)) not in tables]
 
 
 def _shards(variable, slots: Sequence, mesh) -> tuple[str | None, str | None, list]:

@@ -164,14 +164,16 @@ def update_layout(layout: dtensor.Layout, shape: Sequence[int], axis: str | None
     return layout
 
 
-def gathered_weights():
+def gathered_weights(gathered: bool = True):
     """Within this block of a step's trace, weights installed by `gather_when_used` read
-    gathered (a forward pass; the optimizer's update outside it reads the stored shards).
+    gathered (a forward pass; the optimizer's update outside it reads the stored shards);
+    with gathered=False they read their stored shards (an embedding table's read, which
+    never gathers the table).
 
     Raises:
       RuntimeError: no step is being traced.
     """
-    return within("gathered_weights()", gathered=True)
+    return within("gathered_weights()" if gathered else "gathered_weights(False)", gathered=gathered)
 
 
 def compute_layout(layout: dtensor.Layout, axis: str) -> dtensor.Layout:

@@ -1,0 +1,165 @@
+"""The executor of a model with embedding tables: OneMesh's step with the tables' lookups
+before it and their sparse row updates after it.
+
+A step with tables is three calls per batch (tfpod.embedding.tables says why the tables'
+work runs outside the DTensor program):
+
+  1. `Tables.lookup`: each device's partial lookups from its own shards (an ordinary
+     TensorFlow function over the local devices), packed as DTensors and carried in the
+     step's batch (`PARTIALS` + the table's name);
+  2. the compiled step, the Trainer's one step body: OneMesh's loss and gradients in the
+     lookup scope of those partials, each table's gradient kept as rows (`Accumulation`'s
+     `sparse`), gathered replicated and de-duplicated (`sparse.dedupe`); then
+     `optimizers.Update.step` with `TableHomes` (tfpod.embedding.homes): the norm over the
+     dense gradients and the de-duplicated rows, clipping, the dense weights' update when
+     finite, and the scaled rows with [lr, finite, step] returned by the compiled step;
+  3. `Tables.apply`: every device updates its shards' touched rows and slots in place
+     (nothing when the step was not finite), fused with the next step's lookups.
+
+The loop runs the steps one call each on the host (the lookups and updates sit between
+them) and fetches the losses and norms once at its end. Evaluation packs each batch's
+partial lookups the same way and runs the forward pass in their lookup scope.
+"""
+
+from __future__ import annotations
+
+from typing import Mapping
+
+import numpy as np
+import tensorflow as tf
+from tensorflow.experimental import dtensor
+
+from tfpod import UserError, compat, optimizers, runtime
+from tfpod.embedding.homes import TableHomes
+from tfpod.embedding.layer import lookup_scope
+from tfpod.embedding.sparse import Rows, dedupe
+from tfpod.embedding.tables import Tables
+from tfpod.executor import LoopFn, OneMesh, StepFn
+from tfpod.partitioning import Placement
+from tfpod.task import Task
+
+PARTIALS = "__table__/"  # a packed batch's features holding a table's partial lookups
+
+
+def check_supported(placement: Placement, microbatches: int) -> None:
+    """Refuses (one UserError line) what the tables' sparse path does not do yet."""
+    if microbatches > 1:
+        raise UserError(f"train.microbatches={microbatches} with embedding tables is not supported yet: the tables' "
+                        "rows are applied once per batch; use train.microbatches=1")
+    if placement.num_stages > 1:
+        raise UserError("pipeline stages (a `stage` mesh axis) with embedding tables are not supported: drop the "
+                        "stage axis")
+    if placement.update_axis:
+        raise UserError("a sharded optimizer update (weight_update preset, sharding.update_axis) with embedding "
+                        "tables is not supported yet: set sharding.update_axis='' or use the data or tensor preset")
+
+
+def _split(batch: Mapping[str, tf.Tensor]) -> tuple[dict, dict]:
+    """A packed batch -> (its features, {table name: partial lookups})."""
+    features = {k: v for k, v in batch.items() if not k.startswith(PARTIALS)}
+    partials = {k[len(PARTIALS):]: v for k, v in batch.items() if k.startswith(PARTIALS)}
+    return features, partials
+
+
+class TablesExecutor(OneMesh):
+    """OneMesh for a model with tfpod.embedding tables (a task with `sparse_tables`): each
+    step's lookups, the compiled step and the tables' sparse update (module docstring).
+
+    Args:
+      task: the task.
+      placement: the run's placement (no stages, no sharded update).
+      microbatches: 1 (the tables' rows are applied once per batch).
+
+    Raises:
+      UserError: microbatches, pipeline stages or a sharded update, which tables do not take yet.
+    """
+
+    def __init__(self, task: Task, placement: Placement, microbatches: int = 1):
+        check_supported(placement, microbatches)
+        super().__init__(task, placement, microbatches)
+        self.tables: Tables | None = None
+        self._homes: TableHomes | None = None
+        self._positions: list[int] = []  # the tables' positions among the update's variables
+        self._order: list[int] = []  # per table of `tables`, its index among those positions
+
+    def bind(self, model, update: optimizers.Update, state) -> None:
+        """Also finds the model's tables and their shards on this host's devices (`Tables`)."""
+        super().bind(model, update, state)
+        self.tables = Tables(model, self.placement, self.task.batch_axes(), update.optimizer)
+        if not self.tables:
+            raise UserError(f"task {self.task.name!r} declares sparse_tables but its model has no tfpod.embedding "
+                            "table: drop the capability, or build the tables with tfpod.embedding.Embedding")
+        inner = lambda v: id(compat.inner_variable(v))
+        ids = {inner(t.variable) for t in self.tables.tables}
+        self._positions = [j for j, v in enumerate(self.variables) if inner(v) in ids]
+        by_variable = {inner(self.variables[j]): n for n, j in enumerate(self._positions)}
+        self._order = [by_variable[inner(t.variable)] for t in self.tables.tables]
+        self.sparse = frozenset(id(self.variables[j]) for j in self._positions)
+        self._homes = TableHomes(self._positions)
+
+    @property
+    def homes(self) -> TableHomes:
+        return self._homes
+
+    def to_device(self, host_stack: Mapping[str, np.ndarray], num_steps: int) -> tuple[dict, list]:
+        """(every step's batch on the mesh, each table's global ids [steps, batch, hot]), packed once."""
+        return super().to_device(host_stack, num_steps), self.tables.global_ids(host_stack, leading_dims=1)
+
+    def loss_and_gradients(self, batch: Mapping[str, tf.Tensor]) -> tuple[tf.Tensor, list]:
+        """OneMesh's, in the lookup scope of the batch's partial lookups; each table's gradient
+        is its `Rows`, gathered replicated and de-duplicated."""
+        features, partials = _split(batch)
+        with lookup_scope(self.tables.scope(partials)):
+            loss, grads = super().loss_and_gradients(features)
+        mesh = self.placement.mesh
+        replicated = lambda t: dtensor.relayout(t, dtensor.Layout.replicated(mesh, t.shape.rank))
+        for j in self._positions:
+            g, v = grads[j], self.variables[j]
+            if g is None:  # not looked up in this step
+                rows = Rows(tf.zeros([0], tf.int32), tf.zeros([0, v.shape[-1]], v.dtype))
+            else:
+                rows = Rows(tf.cast(g.indices, tf.int32), g.values)
+            grads[j] = dedupe(Rows(replicated(rows.ids), replicated(rows.values)))
+        return loss, grads
+
+    def make_loop(self, step: StepFn, steps_per_loop: int) -> LoopFn:
+        """The host loop: each step's compiled call, then its rows applied to the shards in the
+        same call as the next step's lookups; the losses and norms fetched once at the end."""
+        del steps_per_loop  # one compiled call per step, as many as the packed steps asked for
+        tables, homes, order = self.tables, self._homes, self._order
+
+        def train_step(stacked, index, partials):
+            batch = {k: tf.gather(v, index) for k, v in stacked.items()}
+            batch.update({PARTIALS + name: p for name, p in partials.items()})
+            loss, norm = step(batch)
+            rows, hyper = homes.take()
+            return loss, norm, rows, hyper
+
+        compiled = self.placement.compile(train_step)
+
+        def run(packed, num_steps: int):
+            stacked, ids = packed
+            partials = tables.lookup_ids([i[0] for i in ids])
+            losses, norms = [], []
+            for n in range(num_steps):
+                loss, norm, rows, hyper = compiled(stacked, tf.constant(n), partials)
+                following = [i[n + 1] for i in ids] if n + 1 < num_steps else None
+                partials = tables.apply([rows[p] for p in order], hyper, following)  # this step's rows, the next lookups
+                losses.append(loss)
+                norms.append(norm)
+            return (np.array([runtime.to_host(x) for x in losses], np.float32),
+                    np.array([runtime.to_host(x) for x in norms], np.float32))
+
+        run.experimental_get_tracing_count = compiled.experimental_get_tracing_count
+        return run
+
+    def eval_to_device(self, host_batch: Mapping[str, np.ndarray]) -> dict[str, tf.Tensor]:
+        """The batch on the mesh and the tables' partial lookups of its ids."""
+        out = super().eval_to_device(host_batch)
+        out.update({PARTIALS + name: p for name, p in self.tables.lookup(host_batch).items()})
+        return out
+
+    def eval_forward(self, batch: Mapping[str, tf.Tensor]) -> tuple[tf.Tensor, Mapping]:
+        features, partials = _split(batch)
+        with lookup_scope(self.tables.scope(partials)):
+            return super().eval_forward(features)
