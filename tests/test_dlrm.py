@@ -52,6 +52,11 @@ def test_sharded_tables_train_as_one_device_resume_exactly_and_move_between_mesh
     assert moved["auc"] == pytest.approx(final["auc"], abs=1e-6)
     assert moved["loss"] == pytest.approx(final["loss"], rel=1e-5)
     assert_golden_layouts(open(os.path.join(sharded, "layouts.txt")).read(), "dlrm_tensor_data4_model2")
+    # under `2d` (columns over `data`, weights gathered where read) the tables are never gathered: the same losses
+    two_d = str(tmp_path / "2d")
+    run(["gin/dlrm_tiny.gin"], SMALL + ["train.steps=2", "sharding.preset='2d'"], two_d, mode="train",
+        mesh_spec="data:4,model:2")
+    np.testing.assert_allclose([losses(two_d)[s] for s in (1, 2)], [a[s] for s in (1, 2)], rtol=2e-5)
 
 
 def test_tiny_recipe_reaches_its_teachers_auc(tmp_path):

@@ -13,8 +13,9 @@ import tensorflow as tf
 import tf_keras
 from tensorflow.experimental import dtensor
 
-from tfpod import embedding, optimizers, partitioning, runtime, trainer
+from tfpod import UserError, embedding, optimizers, partitioning, runtime, trainer
 from tfpod.embedding.executor import TablesExecutor
+from tfpod.executor import OneMesh
 from tfpod.mesh import make_mesh
 from tfpod.partitioning import AxisRule
 from tfpod.task import LossTerms
@@ -230,3 +231,15 @@ def test_a_nonfinite_step_changes_nothing_but_the_counter():
         np.testing.assert_array_equal(full(v, mesh), b)
     for v, s in zip(model.trainable_variables, slots):
         np.testing.assert_array_equal(full(update.optimizer.get_slot(v, "accumulator"), mesh), s)
+
+
+def test_a_split_table_without_the_tables_executor_is_one_line():
+    """A task that does not declare sparse_tables gets OneMesh, whose step would gather a
+    split table: refused by a UserError naming the capability (tf_keras adds its call's
+    context around the line)."""
+    model, placement, _, update, _ = sharded(lambda: tf_keras.optimizers.legacy.SGD(0.1))
+    executor = OneMesh(Task(), placement)
+    executor.bind(model, update, None)
+    loop = trainer.make_train_loop(executor, update, None, 1)
+    with pytest.raises(UserError, match=r"embedding \w: its table's rows are split .* `sparse_tables = True`"):
+        loop(executor.to_device(batches(1), 1), 1)

@@ -138,13 +138,8 @@ def from_partials(layer: TableLayer, ids, scope: LookupScope) -> tf.Tensor:
     def output(x):
         # Marks the table as read here, so that its gradient is `grad`'s rows. The read
         # shares the shards' buffers (Tables.apply turns the copy-on-read of sparse
-        # updates off), and nothing uses its value; it is never gathered (the `2d` preset
-        # gathers weights where layers read them: a table is read by its shards' rows).
-        if partitioning.active_context() is None:
-            table.value()
-        else:
-            with partitioning.gathered_weights(False):
-                table.value()
+        # updates off), and nothing uses its value.
+        table.value()
         y = dtensor.relayout(tf.reduce_sum(x, axis=0), layout)  # [batch, (hot,) width]
         if mean:
             y = y / count[:, None]
@@ -163,7 +158,14 @@ def from_partials(layer: TableLayer, ids, scope: LookupScope) -> tf.Tensor:
 
         return y, grad
 
-    return output(partials)
+    if partitioning.active_context() is None:
+        return output(partials)
+    # The table's reads here (the mark, and custom_gradient's own read of the variables
+    # its function read, through which the rows flow back) are never gathered: the `2d`
+    # preset gathers weights where layers read them, and a gathered read's gradient
+    # would be the dense table.
+    with partitioning.gathered_weights(False):
+        return output(partials)
 
 
 class Embedding(TableLayer, tf_keras.layers.Layer):

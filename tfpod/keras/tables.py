@@ -6,7 +6,7 @@ input each reads its ids from, and checks the optimizer (a legacy tf_keras SGD, 
 or Adam: their sparse updates are tfpod.embedding.sparse's, and no clipnorm / global_clipnorm,
 which fit would apply to the dense weights alone; otherwise the tables train by the one-hot
 matmul with dense gradients, with one warning saying why). `fit` then runs each step as
-tfpod's trainer does (tfpod.embedding.training):
+tfpod's trainer does (tfpod.embedding.executor):
 
   1. the batch's ids, gathered replicated (every device holds the global batch's), and
      each device's partial lookups from its own rows (Tables.lookup_ids);
