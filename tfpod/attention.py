@@ -51,8 +51,8 @@ import dataclasses
 import tensorflow as tf
 
 from tfpod import UserError, fused
-from tfpod.partitioning import activations as partitioning_activations, context as partitioning_context
-from tfpod.partitioning.activations import shard
+from tfpod.partitioning import context as partitioning_context, step_context
+from tfpod.partitioning.step_context import shard
 
 NEG = -1e9  # the additive mask where a query may not attend (as the materialized path's)
 # implementation -> the masks its models pass it: "segments" (segment ids [batch, length] or key
@@ -96,7 +96,7 @@ DEFAULT = AttentionConfig()
 def current() -> AttentionConfig:
     """The attention the model being traced runs: its step context's (the placement's, opened
     by `Placement.compile`; or `using`'s), or the defaults outside any context (plain Keras)."""
-    context = partitioning_activations.current_context()
+    context = step_context.current_context()
     return DEFAULT if context is None or context.attention is None else context.attention
 
 
@@ -104,7 +104,7 @@ def using(config: AttentionConfig | None) -> contextlib.AbstractContextManager:
     """A block of a trace whose attention is `config` (None: the defaults): a step context
     without a mesh outside a step (single-device export and serving, Keras's fit, the
     planner's build), or the enclosing step's context with it."""
-    return partitioning_activations.tracing(attention=config)
+    return step_context.tracing(attention=config)
 
 
 def self_attention_mask(ids: tf.Tensor, segment_ids: tf.Tensor | None, dense) -> tf.Tensor:

@@ -33,7 +33,8 @@ The modules, each usable on its own (this package re-exports their public names)
   report       the layout report (layouts.txt)
   build        a tf_keras model materialized as DVariables laid out by the rules;
                update_layout (weight-update sharding); gather_when_used (`2d`)
-  activations  shard / split / replicate of activations inside the compiled step
+  step_context the traced step's context (StepContext: mesh, table, microbatch, stage,
+               attention) and shard / split / replicate of activations inside it
   spatial      convolutions and pooling on image rows split over a mesh axis (halo exchange)
   stages       the `stage` axis: pipeline stages' sub-meshes, copies between them
   context      the `context` axis: sequences in balanced chunks (context parallelism)
@@ -43,8 +44,8 @@ The modules, each usable on its own (this package re-exports their public names)
 """
 
 
-from tfpod.partitioning.activations import (activation_sharding, active_context, current_context, replicate, shard,
-                                           split, tracing)
+from tfpod.partitioning.step_context import (activation_sharding, active_context, current_context, replicate, shard,
+                                             split, tracing)
 from tfpod.partitioning import context, spatial, stages
 from tfpod.partitioning.build import (build_sharded, compute_layout, gather_when_used, gathered_weights, rows_split,
                                       lazy_model, update_layout, variable_specs)

@@ -23,7 +23,7 @@ import tensorflow as tf
 from tensorflow.experimental import dtensor
 
 from tfpod import UserError
-from tfpod.partitioning.activations import activation_sharding, within
+from tfpod.partitioning.step_context import activation_sharding, within
 from tfpod.partitioning.presets import Preset, get_preset
 from tfpod.partitioning.context import zigzag
 from tfpod.partitioning.rules import CONTEXT_AXIS, ShardingConfig, check_mesh_axes, layout_for
@@ -174,7 +174,7 @@ class Placement:
         return placement
 
     def activations(self, microbatches: int = 1) -> contextlib.AbstractContextManager:
-        """A step's context on this placement (partitioning.activations.StepContext): within
+        """A step's context on this placement (partitioning.step_context.StepContext): within
         it models' activation annotations relayout on this mesh, and attention traces with
         this placement's."""
         return activation_sharding(self.mesh, self.table, microbatches, attention=self.attention)
