@@ -29,7 +29,10 @@ The modules, each usable on its own (this package re-exports their public names)
 
   presets      the Preset objects and their registry (PRESETS, get_preset, register)
   rules        logical axes, AxisRule, rules_table, resolve (validation),
-               check_mesh_axes, ShardingConfig (gin `sharding.*`)
+               check_mesh_axes, layout_for
+  sharding_config
+               ShardingConfig (gin `sharding.*`): the run's preset resolved once
+               (preset_for), its table with the overrides, the update axis
   report       the layout report (layouts.txt)
   build        a tf_keras model materialized as DVariables laid out by the rules;
                update_layout (weight-update sharding); gather_when_used (`2d`)
@@ -54,8 +57,9 @@ from tfpod.partitioning.placement import (Placement, batch_mesh_axis, check_micr
                                          place, split_microbatches)
 from tfpod.partitioning.report import bytes_per_device, layout_report
 from tfpod.partitioning.presets import PRESETS, Preset, get_preset
-from tfpod.partitioning.rules import (CONTEXT_AXIS, LOGICAL_AXES, AxisRule, ShardingConfig, VarSpec,
-                                      check_mesh_axes, layout_for, resolve, rules_table)
+from tfpod.partitioning.rules import (CONTEXT_AXIS, LOGICAL_AXES, AxisRule, VarSpec, check_mesh_axes, layout_for,
+                                      resolve, rules_table)
+from tfpod.partitioning.sharding_config import ShardingConfig
 
 __all__ = [
     "activation_sharding",
