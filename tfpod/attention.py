@@ -50,7 +50,7 @@ import dataclasses
 
 import tensorflow as tf
 
-from tfpod import UserError, fused
+from tfpod import UserError, compat, fused
 from tfpod.partitioning import context as partitioning_context, step_context
 from tfpod.partitioning.step_context import shard
 
@@ -134,9 +134,7 @@ def dropout_seed(dropout) -> tf.Tensor | None:
 
     Under tfpod's trainer (tfpod.partitioning.replayable_dropout) this is (train.seed, layer,
     microbatch, step): a resumed run and a recomputed block draw the same masks."""
-    generator = getattr(dropout, "_random_generator", None)
-    make = getattr(generator, "make_seed_for_stateless_op", None)
-    seed = make() if make is not None else None
+    seed = compat.stateless_seed(dropout)
     return None if seed is None else tf.cast(tf.stack(seed), tf.int64)
 
 
