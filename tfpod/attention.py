@@ -262,8 +262,9 @@ def keep_mask(seed, shape, rate: float, block: tuple[int, int], dtype, zero=None
 
     The draw is a counter-based hash of the seed, the block and each element's index in it
     (`_uniform`), not a random op: every device computes the values of the elements it holds,
-    equal to one device's whatever the layout (DTensor seeds a sharded random op per device,
-    see tfpod.partitioning.random_layout), with no draw of a replicated whole. `zero`: see `_after`."""
+    equal to one device's whatever the layout (DTensor seeds a sharded random op per device
+    from its mesh coordinates, see tfpod.partitioning.dropout, whose `counter_uniform` draws
+    Keras dropout masks alike), with no draw of a replicated whole. `zero`: see `_after`."""
     keep = _uniform(seed, shape, block, zero) >= rate
     return tf.cast(keep, dtype) * tf.cast(1.0 / (1.0 - rate), dtype)
 
