@@ -23,16 +23,17 @@ Public API (tf_keras.Model, tf_keras.layers.*, tf.data, dtensor) is used directl
 
 from __future__ import annotations
 
-from tfpod.compat.versions import (TESTED, check_versions)
+from tfpod.compat.versions import TESTED, check_versions
 from tfpod.compat.keras_layers import (assign_moving_average, build_layer, call_training, causal_padding,
                                        check_replayable_dropout, create_dvariable, dtensor_save_spec, first_paths,
                                        flatten, flatten_layers, inner_variable, intercept_variable_reads,
                                        intercepting_layer_builds, intercepting_layer_calls, is_functional, keras_mask,
                                        layout_map_lib, layout_map_of, lazy_variable, no_autograph,
-                                       place_model_variables, saveable_object_class, set_checkpoint_saveable,
-                                       set_inner_variable, set_layout_map, set_lazy_initial_value, set_trainable,
-                                       set_training_state, split_first_argument, stateless_dropout_generator,
-                                       stateless_seed, steps_per_execution, tf_keras, training_state, training_value,
+                                       normalization_inputs, normalization_shapes, place_model_variables,
+                                       saveable_object_class, set_checkpoint_saveable, set_inner_variable,
+                                       set_layout_map, set_lazy_initial_value, set_trainable, set_training_state,
+                                       split_first_argument, stateless_dropout_generator, stateless_seed,
+                                       steps_per_execution, tf_keras, training_state, training_value,
                                        unfuse_normalization, weight_lists, wrap_create_dvariable,
                                        wrap_variable_mapping, wrap_variable_reads)
 from tfpod.compat.keras_optimizers import (adam_coefficients, apply_updates, create_optimizer_weights, create_slots,

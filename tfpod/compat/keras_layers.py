@@ -231,6 +231,16 @@ def unfuse_normalization(layer) -> bool:
     return False
 
 
+def normalization_inputs(layer, inputs):
+    """A Keras Normalization's inputs as its `call` takes them (a tensor, cast to its dtype)."""
+    return layer._standardize_inputs(inputs)
+
+
+def normalization_shapes(layer) -> tuple[list, list]:
+    """A built Keras Normalization's (the shape its mean and variance broadcast in, the axes it keeps)."""
+    return layer._broadcast_shape, layer._keep_axis
+
+
 def training_value(layer, training):
     """A Keras layer's effective `training` flag for a call."""
     return layer._get_training_value(training)
