@@ -170,7 +170,7 @@ class Planner:
         placement = Placement.from_config(sharding, task.default_preset, meshes)
         placement.preset.check_run(task, placement)  # what training would refuse (e.g. 2d inside stages)
         mesh, table = placement.mesh, placement.table
-        preset = sharding.preset or task.default_preset
+        preset = placement.preset.name
         layouts = resolve(self.specs, task.axis_rules, table, mesh)
         stage_of = {}
         if num_stages > 1:
