@@ -30,7 +30,7 @@ from official.nlp.modeling import layers as mg_layers
 from tfpod import UserError, attention, check_positive, compat, evaluation, fused
 from tfpod.projection import Projection, leading_dims  # noqa: F401  (models use gpt.Projection)
 from tfpod.input import lm_data
-from tfpod.models import lm_head, lm_serving, plan_profiles
+from tfpod.models import decoding, lm_head, lm_serving, plan_profiles
 from tfpod.partitioning import AxisRule, context, rows_split, shard
 from tfpod.task import LossTerms, StagedModel, Task
 
@@ -111,9 +111,14 @@ class DecoderLM(tf_keras.Model):
       output_table() -> the output layer's [vocab, embed] table
       stage_layers() -> (layers a pipeline's first stage holds besides its blocks, the last's)
       decode(ids, positions, caches) -> one step of cached generation
+      kv_heads() -> the key/value heads its caches hold (the query heads unless overridden)
 
     `output_logits` (the output table's float32 logits) is shared.
     """
+
+    def kv_heads(self) -> int:
+        """The key/value heads each layer's generation cache holds: the query heads."""
+        return self.config.num_heads
 
     def output_logits(self, x: tf.Tensor) -> tf.Tensor:
         """Float32 logits [batch, length, vocab] of x [batch, length, embed] (the output table's)."""
@@ -263,7 +268,7 @@ class CausalSelfAttention(tf_keras.layers.Layer):
     def call(self, x, mask, training=None):
         to_heads = lambda t: tf.transpose(t, [0, 2, 1, 3])  # [batch, length, heads, kv] -> [batch, heads, length, kv]
         q, k, v = to_heads(self.query(x)), to_heads(self.key(x)), to_heads(self.value(x))
-        if hasattr(mask, "attend"):  # generation: a decoding.LayerCache in place of the mask
+        if isinstance(mask, decoding.LayerCache):  # generation: the layer's key/value cache in place of the mask
             return self.attention_output(tf.transpose(mask.attend(q, k, v), [0, 2, 1, 3]))
         context = attention.attend(q, k, v, mask, self.causal, self.dropout, training)  # [batch, heads, length, kv]
         return self.attention_output(tf.transpose(context, [0, 2, 1, 3]))  # [batch, length, embed]

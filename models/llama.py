@@ -33,7 +33,7 @@ from official.nlp.modeling import layers as mg_layers
 
 from tfpod import UserError, attention, check_positive, fused
 from tfpod.input import lm_data
-from tfpod.models import gpt, lm_serving, plan_profiles
+from tfpod.models import decoding, gpt, lm_serving, plan_profiles
 from tfpod.partitioning import AxisRule, context, shard
 
 NAME = "llama"
@@ -198,7 +198,7 @@ class Attention(tf_keras.layers.Layer):
         k = rotate(shard(self.key(x), ("batch", "length", "kv_heads", "kv")), cos, sin)
         v = shard(self.value(x), ("batch", "length", "kv_heads", "kv"))
         to_heads = lambda t: tf.transpose(t, [0, 2, 1, 3])  # [batch, heads, length, d]
-        if hasattr(mask, "attend"):  # generation: a decoding.LayerCache (of the key/value heads) for the mask
+        if isinstance(mask, decoding.LayerCache):  # generation: the cache (of the key/value heads) for the mask
             return self.attention_output(tf.transpose(mask.attend(to_heads(q), to_heads(k), to_heads(v)), [0, 2, 1, 3]))
         if c.num_kv_heads != c.num_heads:  # each key/value head serves num_heads / num_kv_heads query heads
             if context.context_chunks() > 1:  # gathered over `context` before the repeat: kv_heads' bytes move
@@ -317,6 +317,10 @@ class Llama(gpt.DecoderLM):
 
     def final_hidden(self, x: tf.Tensor) -> tf.Tensor:
         return shard(tf.cast(self.final_norm(x), self.compute_dtype), ("batch", "length", "embed"))
+
+    def kv_heads(self) -> int:
+        """The key/value heads each layer's generation cache holds (grouped-query attention)."""
+        return self.config.num_kv_heads
 
     def output_table(self) -> tf.Variable:
         """The output layer's [vocab, embed] table (the token embedding when tied)."""

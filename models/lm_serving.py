@@ -190,7 +190,7 @@ def _cached_generate(model, config, eos: int, tokenizer):
             # left padding: row i's tokens end at slot P - 1 (slot j reads j - (P - length))
             left = tf.gather(right_padded, (tf.range(prompt)[None, :] + lengths[:, None]) % prompt, batch_dims=1)
             return decoding.generate(model, left, lengths, limit, eos, temperature, top_k, top_p, seed,
-                                     kv_heads=getattr(config, "num_kv_heads", None), stopped=stopped)
+                                     kv_heads=model.kv_heads(), stopped=stopped)
 
     return cached_generate
 

@@ -43,7 +43,7 @@ import tf_keras
 
 from tfpod import UserError, fused, partitioning
 from tfpod.input import lm_data
-from tfpod.models import gpt, lm_serving, plan_profiles
+from tfpod.models import decoding, gpt, lm_serving, plan_profiles
 from tfpod.partitioning import AxisRule, shard
 from tfpod.task import LossTerms
 
@@ -317,7 +317,7 @@ class MoEBlock(tf_keras.layers.Layer):
         h = self.attention(tf.cast(h, self.compute_dtype), mask, training=training)
         x = x + self.attention_dropout(h, training=training)
         # Handed a decoding.LayerCache for the mask (generation), each token routes on its own.
-        y, aux_loss = self.moe_mlp(self.output_layer_norm(x), each_token=hasattr(mask, "attend"))
+        y, aux_loss = self.moe_mlp(self.output_layer_norm(x), each_token=isinstance(mask, decoding.LayerCache))
         return x + self.output_dropout(y, training=training), aux_loss
 
     def get_config(self):

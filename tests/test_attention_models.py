@@ -1,7 +1,8 @@
 """Blockwise attention in every model that attends (issue 43): attention dropout through the
-kernel (one device and a mesh alike, replayed by a resumed run and by recomputation), BERT
-and the Transformer (padding as key masks, causal decoder, cross-attention) and a Keras
-MultiHeadAttention trained with fit: the materialized path's losses (relative 1e-5, fp32)."""
+kernel, every other dropout on (one device and a mesh alike, replayed by a resumed run and
+by recomputation), BERT and the Transformer (padding as key masks, causal decoder,
+cross-attention) and a Keras MultiHeadAttention trained with fit: the materialized path's
+losses (relative 1e-5, fp32)."""
 
 import dataclasses
 import logging
@@ -19,30 +20,15 @@ from tfpod.models import bert, gpt, transformer
 
 
 def train(task, config, mesh, model_dir, steps=3, implementation="blockwise", block_size=8, preset=None,
-          kernel_dropout_only=True, checkpoint_every=100, **train):
-    """Losses of `steps` steps (one compiled loop) from seed 1 on synthetic batches. With
-    `kernel_dropout_only` the only dropout is the attention kernels' (`_kernel_dropout_only`)."""
+          checkpoint_every=100, **train):
+    """Losses of `steps` steps (one compiled loop) from seed 1 on synthetic batches, every
+    dropout layer on at its config's rate."""
     cfg = TrainConfig(steps=steps, global_batch_size=8, steps_per_loop=steps, log_every=1,
                       checkpoint_every=checkpoint_every, synthetic_data=True, seed=1, **train)
     opt = optimizers.OptimizerConfig(name="sgd", learning_rate=0.1, warmup_steps=0, decay_steps=8, weight_decay=0.0)
     run = make_run(task, config, cfg, opt, device_mesh(mesh), model_dir, preset=preset,
                    attention=attention.AttentionConfig(implementation, block_size))
-    if kernel_dropout_only:
-        _kernel_dropout_only(run.trainer.model)
     return run.train()["losses"]
-
-
-def _kernel_dropout_only(model) -> None:
-    """Turns off every dropout layer of `model` but the attention kernels' (on the probabilities):
-    GPT's and Model Garden's blocks also drop the attention output at the attention rate, with
-    a Keras dropout, whose masks on a mesh are not one device's (tfpod.partitioning.random_layout
-    draws them sharded); the kernel's are."""
-    layers = compat.flatten_layers(model)
-    kernels = {id(getattr(layer, "_dropout_layer", None)) for layer in layers} | \
-        {id(layer.dropout) for layer in layers if isinstance(layer, gpt.CausalSelfAttention)}
-    for layer in layers:
-        if isinstance(layer, tf_keras.layers.Dropout) and id(layer) not in kernels:
-            layer.rate = 0.0
 
 
 @pytest.mark.unit
@@ -75,16 +61,17 @@ def test_cross_attention_with_key_padding_and_dropout_equals_the_materialized_ma
     assert 0.2 < dropped < 0.3  # the hash draws uniforms
 
 
-GPT = gpt.GPTConfig(vocab_size=256, seq_len=32, num_layers=1, embed_dim=32, num_heads=4, mlp_dim=64, dropout=0.0,
+GPT = gpt.GPTConfig(vocab_size=256, seq_len=32, num_layers=1, embed_dim=32, num_heads=4, mlp_dim=64, dropout=0.1,
                     attention_dropout=0.2)
 
 
 def test_gpt_attention_dropout_runs_in_the_kernel_alike_on_a_mesh_resumed_and_recomputed(tmp_path):
-    """GPT with attention dropout 0.2 (block 8: 4 x 4 blocks a row): the Megatron `tensor`
-    layout on data:2,model:4 with recomputed blocks (remat) trains one device's losses
-    (relative 1e-5: the keep masks are a hash of each element's global index, equal whatever
-    the layout, and the recomputation draws the same masks); a run stopped after 2 steps and resumed
-    trains the third step's loss exactly. The blocks' Keras dropout of the attention output is off (`_kernel_dropout_only`)."""
+    """GPT with every dropout on: attention dropout 0.2 in the kernel (block 8: 4 x 4 blocks a
+    row) and on the attention output, dropout 0.1 on the residual stream (Keras dropouts): the
+    Megatron `tensor` layout on data:2,model:4 with recomputed blocks (remat) trains one
+    device's losses (relative 1e-5: every mask, the kernel's and Keras's, is a hash of each
+    element's global index, equal whatever the layout, and the recomputation draws the same
+    masks); a run stopped after 2 steps and resumed trains the third step's loss exactly."""
     one = train(gpt.TASK, GPT, "data:1", tmp_path / "one")
     mesh = train(gpt.TASK, dataclasses.replace(GPT, remat=True), "data:2,model:4", tmp_path / "mesh", preset="tensor")
     np.testing.assert_allclose(mesh, one, rtol=1e-5)
@@ -142,11 +129,12 @@ def test_the_transformer_attends_blockwise_with_the_materialized_logits_and_grad
 
 def test_transformer_attention_dropout_in_the_kernel_is_one_devices_on_a_mesh(tmp_path):
     """The Transformer's three attentions (Keras MultiHeadAttention and Model Garden's
-    CachedAttention stand-ins) drop their probabilities in the kernel: data:2,model:2
-    (`tensor`) trains one device's losses."""
+    CachedAttention stand-ins) drop their probabilities in the kernel, and its Keras dropouts
+    (attention outputs, residual stream, feed-forward: every rate on) drop theirs:
+    data:2,model:2 (`tensor`) trains one device's losses (relative 1e-5)."""
     config = transformer.TransformerConfig(vocab_size=128, src_len=24, tgt_len=16, encoder_layers=1, decoder_layers=1,
-                                           hidden_size=32, num_heads=4, intermediate_size=64, dropout=0.0,
-                                           attention_dropout=0.3, intermediate_dropout=0.0)
+                                           hidden_size=32, num_heads=4, intermediate_size=64, dropout=0.1,
+                                           attention_dropout=0.3, intermediate_dropout=0.1)
     one = train(transformer.TASK, config, "data:1", tmp_path / "one")
     mesh = train(transformer.TASK, config, "data:2,model:2", tmp_path / "mesh", preset="tensor")
     np.testing.assert_allclose(mesh, one, rtol=1e-5)

@@ -86,6 +86,12 @@ def _place(module: str) -> tuple[int, str]:
     return best[1], best[2]
 
 
+def _leaf(module: str) -> str:
+    """The leaf a module of the leaves belongs to: its prefix there (a package's modules, e.g.
+    tfpod.compat's, import each other)."""
+    return max((p for p in LAYERS[-1]["leaves"] if module == p or module.startswith(p + ".")), key=len, default=module)
+
+
 def test_imports_go_down_the_layers_the_readme_draws():
     known = _modules()
     assert {"tfpod.models.gpt", "tfpod.input.lm_data", "tfpod.partitioning.presets.base"} <= set(known)
@@ -98,7 +104,7 @@ def test_imports_go_down_the_layers_the_readme_draws():
             to_layer, to_group = _place(target)
             if to_layer < layer or (to_layer == layer and to_group != group):
                 wrong.append(f"{name} ({group}) imports {target} ({to_group})")
-            elif group == "leaves" and target != name:
+            elif group == "leaves" and _leaf(target) != _leaf(name):
                 wrong.append(f"{name} is a leaf but imports {target}")
     assert wrong == [], "\n".join(wrong)
 

@@ -118,7 +118,8 @@ def test_sequence_axis_shards_the_residual_stream(tmp_path):
     import tensorflow as tf
 
     mesh = make_mesh("data:4,model:2")
-    table = partitioning.ShardingConfig(preset="tensor", sequence_parallel=True).table("tensor")
+    config = partitioning.ShardingConfig(preset="tensor", sequence_parallel=True)
+    table = config.table(config.preset_for("data"))
     x = dtensor.copy_to_mesh(tf.ones([8, 32, 16]), dtensor.Layout.replicated(mesh, 3))
     with partitioning.activation_sharding(mesh, table):
         y = partitioning.shard(x, gpt.ACTIVATION_AXES)
@@ -149,7 +150,8 @@ def test_presets_are_tables_and_switches():
     assert wu.update_axis == "data" and wu.gather_axis is None
     assert placement(preset="weight_update", update_axis="").update_axis is None
     assert placement(preset="2d").gather_axis == "data"
-    assert partitioning.ShardingConfig(preset="data", rules={"mlp": "model"}).table("tensor")["mlp"] == "model"
+    config = partitioning.ShardingConfig(preset="data", rules={"mlp": "model"})
+    assert config.preset_for("tensor").name == "data" and config.table(config.preset_for("tensor"))["mlp"] == "model"
 
 
 @pytest.mark.unit

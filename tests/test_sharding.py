@@ -185,7 +185,7 @@ def test_activation_helpers_relayout_inside_the_context(mesh):
 
 
 def test_what_changes_a_traced_step_is_one_context_and_its_switches_fail_outside_a_step(mesh):
-    """The step's context (partitioning.activations.StepContext) is opened by a placement's compile
+    """The step's context (partitioning.step_context.StepContext) is opened by a placement's compile
     point; each switch an executor flips inside it (gathered weights, the microbatch, a pipeline
     stage, a stage's prefetched copies) refuses to open outside a step instead of changing nothing,
     and a step that accumulates microbatches refuses a dropout mask drawn for no microbatch."""

@@ -47,12 +47,13 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+from typing import Any
 
 import tensorflow as tf
 
-from tfpod import UserError, fused
-from tfpod.partitioning import activations as partitioning_activations, context as partitioning_context
-from tfpod.partitioning.activations import shard
+from tfpod import UserError, compat, fused
+from tfpod.partitioning import context as partitioning_context, step_context
+from tfpod.partitioning.step_context import shard
 
 NEG = -1e9  # the additive mask where a query may not attend (as the materialized path's)
 # implementation -> the masks its models pass it: "segments" (segment ids [batch, length] or key
@@ -96,7 +97,7 @@ DEFAULT = AttentionConfig()
 def current() -> AttentionConfig:
     """The attention the model being traced runs: its step context's (the placement's, opened
     by `Placement.compile`; or `using`'s), or the defaults outside any context (plain Keras)."""
-    context = partitioning_activations.current_context()
+    context = step_context.current_context()
     return DEFAULT if context is None or context.attention is None else context.attention
 
 
@@ -104,7 +105,7 @@ def using(config: AttentionConfig | None) -> contextlib.AbstractContextManager:
     """A block of a trace whose attention is `config` (None: the defaults): a step context
     without a mesh outside a step (single-device export and serving, Keras's fit, the
     planner's build), or the enclosing step's context with it."""
-    return partitioning_activations.tracing(attention=config)
+    return step_context.tracing(attention=config)
 
 
 def self_attention_mask(ids: tf.Tensor, segment_ids: tf.Tensor | None, dense) -> tf.Tensor:
@@ -134,9 +135,7 @@ def dropout_seed(dropout) -> tf.Tensor | None:
 
     Under tfpod's trainer (tfpod.partitioning.replayable_dropout) this is (train.seed, layer,
     microbatch, step): a resumed run and a recomputed block draw the same masks."""
-    generator = getattr(dropout, "_random_generator", None)
-    make = getattr(generator, "make_seed_for_stateless_op", None)
-    seed = make() if make is not None else None
+    seed = compat.stateless_seed(dropout)
     return None if seed is None else tf.cast(tf.stack(seed), tf.int64)
 
 
@@ -263,8 +262,9 @@ def keep_mask(seed, shape, rate: float, block: tuple[int, int], dtype, zero=None
 
     The draw is a counter-based hash of the seed, the block and each element's index in it
     (`_uniform`), not a random op: every device computes the values of the elements it holds,
-    equal to one device's whatever the layout (DTensor seeds a sharded random op per device,
-    see tfpod.partitioning.random_layout), with no draw of a replicated whole. `zero`: see `_after`."""
+    equal to one device's whatever the layout (DTensor seeds a sharded random op per device
+    from its mesh coordinates, see tfpod.partitioning.dropout, whose `counter_uniform` draws
+    Keras dropout masks alike), with no draw of a replicated whole. `zero`: see `_after`."""
     keep = _uniform(seed, shape, block, zero) >= rate
     return tf.cast(keep, dtype) * tf.cast(1.0 / (1.0 - rate), dtype)
 
@@ -356,117 +356,156 @@ def block_attention(q, k, v, split, merge, groups, k_segments, causal: bool, blo
       k_offset: the position of k's first row.
 
     Every (group, key block) pair that some query of the group may attend is one step of
-    the online softmax (forward) and of the recomputed gradient (backward); each pair's
-    scores are made after the previous pair's results, so the executor holds one pair's
-    temporaries at a time ([batch, heads, rows, block]), and the graph has at most
-    len(groups) x key blocks pairs: memory and graph both linear in the length.
+    the online softmax (forward: `_online_softmax`) and of the recomputed gradient
+    (backward: `_recomputed_gradient`); each pair's scores are made after the previous
+    pair's results, so the executor holds one pair's temporaries at a time ([batch, heads,
+    rows, block]), and the graph has at most len(groups) x key blocks pairs: memory and
+    graph both linear in the length.
     """
     lk = k.shape[2]
     if lk is None:
         raise ValueError("blockwise attention needs static sequence lengths")
     if dropout_rate and seed is None:
         raise ValueError("blockwise attention with dropout needs a seed")
-    k_blocks = _blocks(lk, block_size)
-    scale = q.shape[-1] ** -0.5
-
-    def pairs(g: Group):
-        for j, (ks, kn) in enumerate(k_blocks):
-            if causal and ks + k_offset >= g.high:
-                continue  # every key of the block is after every query of the group
-            yield j, causal and ks + kn - 1 + k_offset >= g.low  # some key may be after some query
-
-    matmuls = {"bhqd,bhkd->bhqk": dict(transpose_b=True), "bhqk,bhkd->bhqd": {},
-               "bhqk,bhqd->bhkd": dict(transpose_a=True)}
-
-    def contract(equation_4d: str, a, b):
-        if a.shape.rank == 4 and b.shape.rank == 4:  # (a batched matmul: faster than einsum's on oneDNN)
-            return tf.matmul(a, b, **matmuls[equation_4d])
-        # a group of [batch, heads, chunks, rows, d] (context parallelism): one more letter
-        ins, out = equation_4d.split("->")
-        x, y = ins.split(",")
-        widen = lambda t, r: t if r == 4 else t[:2] + "c" + t[2:]
-        out_rank = 5 if "q" in out else 4  # (a key block's gradient sums over the chunks)
-        return tf.einsum(f"{widen(x, a.shape.rank)},{widen(y, b.shape.rank)}->{widen(out, out_rank)}", a, b)
-
-    def scores(qg, g: Group, j: int, masked: bool, zero):
-        """The pair's masked scores, made after `zero`'s tensor (`_after`); qg has it added."""
-        ks, kn = k_blocks[j]
-        s = tf.cast(contract("bhqd,bhkd->bhqk", qg, k[:, :, ks:ks + kn]) * tf.cast(scale, qg.dtype), tf.float32)
-        at = lambda x: x if zero is None else x + zero  # (-> [batch, heads, *rows])
-        segments = k_segments_at = None
-        if g.segments is not None:  # queries' [batch, 1, *rows]; keys' [batch, 1.., kn]
-            segments = at(tf.expand_dims(g.segments, 1))
-            k_segments_at = _expand(k_segments[:, ks:ks + kn], 1, s.shape.rank - 2)
-        positions = at(g.positions)
-        bias = scores_bias(segments, k_segments_at, positions, tf.range(ks, ks + kn) + k_offset, masked, tf.float32)
-        return s if bias is None else s + bias
-
-    def drop(p, gi, j, zero):
-        return p if not dropout_rate else p * keep_mask(seed, tf.shape(p), dropout_rate, (gi, j), p.dtype, zero)
-
-    def ordered(x, zero):  # x after the tensor `zero` was read from
-        return x if zero is None else x + tf.cast(tf.expand_dims(zero, -1), x.dtype)
+    pairs = _Pairs(k, k_segments, _blocks(lk, block_size), causal, k_offset, q.shape[-1] ** -0.5, dropout_rate, seed)
 
     @tf.custom_gradient
     def core(q, k, v):
-        outs, stats, last = [], [], None
-        for gi, (qg, g) in enumerate(zip(split(q), groups)):
-            m = l = acc = None
-            for j, masked in pairs(g):
-                ks, kn = k_blocks[j]
-                zero = _after(last)
-                s = scores(ordered(qg, zero), g, j, masked, zero)
-                row_max = tf.reduce_max(s, axis=-1, keepdims=True)
-                m_new = row_max if m is None else tf.maximum(m, row_max)
-                p = tf.exp(s - m_new)
-                pv = tf.cast(contract("bhqk,bhkd->bhqd", tf.cast(drop(p, gi, j, zero), v.dtype), v[:, :, ks:ks + kn]),
-                             tf.float32)
-                if m is None:
-                    l, acc = tf.reduce_sum(p, axis=-1, keepdims=True), pv
-                else:
-                    correction = tf.exp(m - m_new)
-                    l = l * correction + tf.reduce_sum(p, axis=-1, keepdims=True)
-                    acc = acc * correction + pv
-                m, last = m_new, m_new  # (the next pair's scores may overlap this pair's exp and p v)
-            if m is None:  # no key at all: zeros (cannot happen with positions from 0)
-                outs.append(tf.zeros_like(qg))
-                stats.append((tf.zeros_like(qg[..., :1], tf.float32), tf.ones_like(qg[..., :1], tf.float32)))
-                continue
-            outs.append(tf.cast(acc / l, q.dtype))
-            stats.append((m, l))  # (not m + log l: a row that may attend no key has m near -1e9, where log l is lost)
+        outs, stats = _online_softmax(pairs, q, v, split, groups)
         out = merge(outs)
 
         def grad(d_out):
-            d_q, d_k, d_v = [], [None] * len(k_blocks), [None] * len(k_blocks)
-            add = lambda acc, x: x if acc is None else acc + x
-            last = None
-            for gi, (qg, do, o, (m, l), g) in enumerate(zip(split(q), split(d_out), outs, stats, groups)):
-                row = tf.reduce_sum(tf.cast(do, tf.float32) * tf.cast(o, tf.float32), axis=-1, keepdims=True)
-                dq = None
-                for j, masked in pairs(g):
-                    ks, kn = k_blocks[j]
-                    kj, vj = k[:, :, ks:ks + kn], v[:, :, ks:ks + kn]
-                    zero = _after(row if last is None else last)  # (the first pair: not before dout exists)
-                    q_at, do_at = ordered(qg, zero), ordered(do, zero)
-                    p = tf.exp(scores(q_at, g, j, masked, zero) - m) / l
-                    keep = None
-                    if dropout_rate:
-                        keep = keep_mask(seed, tf.shape(p), dropout_rate, (gi, j), tf.float32, zero)
-                    p_kept = p if keep is None else p * keep
-                    d_v[j] = add(d_v[j], contract("bhqk,bhqd->bhkd", tf.cast(p_kept, v.dtype), do_at))
-                    dp = tf.cast(contract("bhqd,bhkd->bhqk", do_at, vj), tf.float32)
-                    ds = tf.cast(p * ((dp if keep is None else dp * keep) - row), q.dtype) * tf.cast(scale, q.dtype)
-                    dq = add(dq, contract("bhqk,bhkd->bhqd", ds, kj))
-                    d_k[j] = add(d_k[j], contract("bhqk,bhqd->bhkd", ds, q_at))
-                    last = p
-                d_q.append(tf.zeros_like(qg) if dq is None else dq)
-            fill = lambda parts, like: tf.concat(
-                [x if x is not None else tf.zeros_like(like[:, :, s:s + n]) for x, (s, n) in zip(parts, k_blocks)], axis=2)
-            return merge(d_q), fill(d_k, k), fill(d_v, v)
+            return _recomputed_gradient(pairs, q, k, v, split, merge, groups, outs, stats, d_out)
 
         return out, grad
 
     return core(q, k, v)
+
+
+_MATMULS = {"bhqd,bhkd->bhqk": dict(transpose_b=True), "bhqk,bhkd->bhqd": {},
+            "bhqk,bhqd->bhkd": dict(transpose_a=True)}
+
+
+def _contract(equation_4d: str, a, b):
+    """The einsum `equation_4d` of [batch, heads, rows, d]-like tensors; a group of
+    [batch, heads, chunks, rows, d] (context parallelism) takes one more letter."""
+    if a.shape.rank == 4 and b.shape.rank == 4:  # (a batched matmul: faster than einsum's on oneDNN)
+        return tf.matmul(a, b, **_MATMULS[equation_4d])
+    ins, out = equation_4d.split("->")
+    x, y = ins.split(",")
+    widen = lambda t, r: t if r == 4 else t[:2] + "c" + t[2:]
+    out_rank = 5 if "q" in out else 4  # (a key block's gradient sums over the chunks)
+    return tf.einsum(f"{widen(x, a.shape.rank)},{widen(y, b.shape.rank)}->{widen(out, out_rank)}", a, b)
+
+
+def _ordered(x, zero):
+    """x after the tensor `zero` was read from (`_after`)."""
+    return x if zero is None else x + tf.cast(tf.expand_dims(zero, -1), x.dtype)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class _Pairs:
+    """The (query group, key block) pairs of one `block_attention` call, and the scores and
+    dropout of one pair. `k` [batch, heads, Lk, d]; `k_blocks` (start, size) of each key block."""
+    k: tf.Tensor
+    k_segments: tf.Tensor | None
+    k_blocks: list
+    causal: bool
+    k_offset: int
+    scale: float
+    dropout_rate: float
+    seed: Any
+
+    def of(self, g: Group):
+        """(key block index, whether the pair needs the causal mask) of each pair of group `g`."""
+        for j, (ks, kn) in enumerate(self.k_blocks):
+            if self.causal and ks + self.k_offset >= g.high:
+                continue  # every key of the block is after every query of the group
+            yield j, self.causal and ks + kn - 1 + self.k_offset >= g.low  # some key may be after some query
+
+    def scores(self, qg, g: Group, j: int, masked: bool, zero):
+        """The pair's masked scores, made after `zero`'s tensor (`_after`); qg has it added."""
+        ks, kn = self.k_blocks[j]
+        s = tf.cast(_contract("bhqd,bhkd->bhqk", qg, self.k[:, :, ks:ks + kn]) * tf.cast(self.scale, qg.dtype),
+                    tf.float32)
+        at = lambda x: x if zero is None else x + zero  # (-> [batch, heads, *rows])
+        segments = k_segments_at = None
+        if g.segments is not None:  # queries' [batch, 1, *rows]; keys' [batch, 1.., kn]
+            segments = at(tf.expand_dims(g.segments, 1))
+            k_segments_at = _expand(self.k_segments[:, ks:ks + kn], 1, s.shape.rank - 2)
+        positions = at(g.positions)
+        bias = scores_bias(segments, k_segments_at, positions, tf.range(ks, ks + kn) + self.k_offset, masked,
+                           tf.float32)
+        return s if bias is None else s + bias
+
+    def drop(self, p, gi: int, j: int, zero):
+        """p with the pair's dropout (p itself without)."""
+        if not self.dropout_rate:
+            return p
+        return p * keep_mask(self.seed, tf.shape(p), self.dropout_rate, (gi, j), p.dtype, zero)
+
+
+def _online_softmax(pairs: _Pairs, q, v, split, groups) -> tuple[list, list]:
+    """The forward pass: (each group's output, each group's row statistics (max m, sum l)),
+    pair after pair."""
+    outs, stats, last = [], [], None
+    for gi, (qg, g) in enumerate(zip(split(q), groups)):
+        m = l = acc = None
+        for j, masked in pairs.of(g):
+            ks, kn = pairs.k_blocks[j]
+            zero = _after(last)
+            s = pairs.scores(_ordered(qg, zero), g, j, masked, zero)
+            row_max = tf.reduce_max(s, axis=-1, keepdims=True)
+            m_new = row_max if m is None else tf.maximum(m, row_max)
+            p = tf.exp(s - m_new)
+            pv = tf.cast(_contract("bhqk,bhkd->bhqd", tf.cast(pairs.drop(p, gi, j, zero), v.dtype),
+                                   v[:, :, ks:ks + kn]), tf.float32)
+            if m is None:
+                l, acc = tf.reduce_sum(p, axis=-1, keepdims=True), pv
+            else:
+                correction = tf.exp(m - m_new)
+                l = l * correction + tf.reduce_sum(p, axis=-1, keepdims=True)
+                acc = acc * correction + pv
+            m, last = m_new, m_new  # (the next pair's scores may overlap this pair's exp and p v)
+        if m is None:  # no key at all: zeros (cannot happen with positions from 0)
+            outs.append(tf.zeros_like(qg))
+            stats.append((tf.zeros_like(qg[..., :1], tf.float32), tf.ones_like(qg[..., :1], tf.float32)))
+            continue
+        outs.append(tf.cast(acc / l, q.dtype))
+        stats.append((m, l))  # (not m + log l: a row that may attend no key has m near -1e9, where log l is lost)
+    return outs, stats
+
+
+def _recomputed_gradient(pairs: _Pairs, q, k, v, split, merge, groups, outs, stats, d_out) -> tuple:
+    """The backward pass: (dq, dk, dv) from d_out, each pair's probabilities recomputed from
+    the forward's row statistics."""
+    k_blocks = pairs.k_blocks
+    d_q, d_k, d_v = [], [None] * len(k_blocks), [None] * len(k_blocks)
+    add = lambda acc, x: x if acc is None else acc + x
+    last = None
+    for gi, (qg, do, o, (m, l), g) in enumerate(zip(split(q), split(d_out), outs, stats, groups)):
+        row = tf.reduce_sum(tf.cast(do, tf.float32) * tf.cast(o, tf.float32), axis=-1, keepdims=True)
+        dq = None
+        for j, masked in pairs.of(g):
+            ks, kn = k_blocks[j]
+            kj, vj = k[:, :, ks:ks + kn], v[:, :, ks:ks + kn]
+            zero = _after(row if last is None else last)  # (the first pair: not before dout exists)
+            q_at, do_at = _ordered(qg, zero), _ordered(do, zero)
+            p = tf.exp(pairs.scores(q_at, g, j, masked, zero) - m) / l
+            keep = None
+            if pairs.dropout_rate:
+                keep = keep_mask(pairs.seed, tf.shape(p), pairs.dropout_rate, (gi, j), tf.float32, zero)
+            p_kept = p if keep is None else p * keep
+            d_v[j] = add(d_v[j], _contract("bhqk,bhqd->bhkd", tf.cast(p_kept, v.dtype), do_at))
+            dp = tf.cast(_contract("bhqd,bhkd->bhqk", do_at, vj), tf.float32)
+            ds = tf.cast(p * ((dp if keep is None else dp * keep) - row), q.dtype) * tf.cast(pairs.scale, q.dtype)
+            dq = add(dq, _contract("bhqk,bhkd->bhqd", ds, kj))
+            d_k[j] = add(d_k[j], _contract("bhqk,bhqd->bhkd", ds, q_at))
+            last = p
+        d_q.append(tf.zeros_like(qg) if dq is None else dq)
+    fill = lambda parts, like: tf.concat(
+        [x if x is not None else tf.zeros_like(like[:, :, s:s + n]) for x, (s, n) in zip(parts, k_blocks)], axis=2)
+    return merge(d_q), fill(d_k, k), fill(d_v, v)
 
 
 @tf.autograph.experimental.do_not_convert

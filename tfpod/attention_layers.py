@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import weakref
 
 import tensorflow as tf
 import tf_keras
@@ -60,14 +61,18 @@ class _Notes:
         self.model, self.logged = model, False
 
 
+# The stand-ins `use_blockwise` made, each with its model's notes (held weakly: a model's layers go with it).
+_NOTES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
 def segments(query, value, key, attention_mask, causal: bool) -> tuple[Segments | None, str]:
     """(the call's mask as `Segments`, "") or (None, why it cannot be), from the inputs'
     Keras masks, `attention_mask` and `causal` (query [batch, T, ...], value [batch, S, ...])."""
     lq, lk = query.shape[1], value.shape[1]
     if lq is None or lk is None:
         return None, "a sequence length unknown when traced"
-    keys = [m for m in (getattr(value, "_keras_mask", None),
-                        None if key is None or key is value else getattr(key, "_keras_mask", None)) if m is not None]
+    keys = [m for m in (compat.keras_mask(value), None if key is None or key is value else compat.keras_mask(key))
+            if m is not None]
     if attention_mask is not None:
         if attention_mask.shape.rank != 3 or attention_mask.shape[1] != 1:
             return None, f"a dense attention_mask of shape {attention_mask.shape} (segment ids express [batch, 1, S])"
@@ -75,7 +80,7 @@ def segments(query, value, key, attention_mask, causal: bool) -> tuple[Segments 
     k = None
     for m in keys:
         k = tf.cast(m, tf.bool) if k is None else tf.logical_and(k, tf.cast(m, tf.bool))
-    query_mask = getattr(query, "_keras_mask", None)
+    query_mask = compat.keras_mask(query)
     if query_mask is None and k is None:
         return Segments(None, None, causal), ""
     batch = tf.shape(query)[0]
@@ -86,11 +91,11 @@ def segments(query, value, key, attention_mask, causal: bool) -> tuple[Segments 
 
 
 def _blockwise_now(layer) -> bool:
-    return attention.current().segment_masks and tuple(layer._attention_axes or (1,)) == (1,)
+    return attention.current().segment_masks and tuple(compat.attention_axes(layer) or (1,)) == (1,)
 
 
 def _note(layer, why: str) -> None:
-    notes = getattr(layer, "_tfpod_notes", None)
+    notes = _NOTES.get(layer)
     if notes is not None and not notes.logged and attention.current().segment_masks:
         notes.logged = True
         log.info("model %r: attention layer %r attends materialized (Keras's path): %s", notes.model, layer.name, why)
@@ -99,11 +104,11 @@ def _note(layer, why: str) -> None:
 def _attend(layer, query, key, value, mask: Segments, training) -> tf.Tensor:
     """The kernel on projected query [B, T, N, H], key and value [B, S, N, H] -> [B, T, N, H]."""
     q, k, v = (tf.transpose(x, [0, 2, 1, 3]) for x in (query, key, value))
-    out = attention.attend_segments(q, k, v, mask.q, mask.k, mask.causal, layer._dropout_layer, training)
+    out = attention.attend_segments(q, k, v, mask.q, mask.k, mask.causal, compat.attention_dropout(layer), training)
     return tf.transpose(out, [0, 2, 1, 3])
 
 
-class MultiHeadAttention(tf_keras.layers.MultiHeadAttention):
+class MultiHeadAttention(compat.multi_head_attention_with_steps()):
     """tf_keras's MultiHeadAttention, blockwise where its call's masks allow (module docstring)."""
 
     _tfpod_blockwise_call = False
@@ -120,21 +125,20 @@ class MultiHeadAttention(tf_keras.layers.MultiHeadAttention):
         finally:
             self._tfpod_blockwise_call = False
 
-    def _compute_attention_mask(self, query, value, key=None, attention_mask=None, use_causal_mask=False):
+    def call_mask(self, query, value, key=None, attention_mask=None, use_causal_mask=False):
         if self._tfpod_blockwise_call and _blockwise_now(self):
             mask, why = segments(query, value, key, attention_mask, use_causal_mask)
             if mask is not None:
                 return mask
             _note(self, why)
         elif self._tfpod_blockwise_call:
-            _note(self, f"attention over axes {self._attention_axes}")
-        return super()._compute_attention_mask(query, value, key=key, attention_mask=attention_mask,
-                                               use_causal_mask=use_causal_mask)
+            _note(self, f"attention over axes {compat.attention_axes(self)}")
+        return super().call_mask(query, value, key=key, attention_mask=attention_mask, use_causal_mask=use_causal_mask)
 
-    def _compute_attention(self, query, key, value, attention_mask=None, training=None):
+    def attend(self, query, key, value, attention_mask=None, training=None):
         if isinstance(attention_mask, Segments):
             return _attend(self, query, key, value, attention_mask, training), None
-        return super()._compute_attention(query, key, value, attention_mask, training)
+        return super().attend(query, key, value, attention_mask, training)
 
 
 _CAUSAL_CLASSES: dict[type, type] = {}
@@ -147,8 +151,7 @@ def _causal_cached_class(cls: type) -> type:
     class CausalCachedAttention(cls):
         def call(self, query, value, key=None, attention_mask=None, cache=None, decode_loop_step=None,
                  return_attention_scores=False):
-            if not self._built_from_signature:
-                self._build_from_signature(query=query, value=value, key=key)
+            compat.build_for_call(self, query, value, key)
             if cache is not None or return_attention_scores:  # decoding step by step: Model Garden's own masks
                 return super().call(query, value, key=key, attention_mask=attention_mask, cache=cache,
                                     decode_loop_step=decode_loop_step, return_attention_scores=return_attention_scores)
@@ -156,17 +159,14 @@ def _causal_cached_class(cls: type) -> type:
             if mask is None or not _blockwise_now(self):
                 if mask is None:
                     _note(self, why)
-                    causal = self._compute_causal_mask(query, value)  # [1, T, S]
+                    causal = compat.causal_mask(self, query, value)  # [1, T, S]
                     dense = causal if attention_mask is None else tf.logical_and(tf.cast(attention_mask, tf.bool), causal)
                 else:
                     dense = mask.dense(query.shape[1], value.shape[1])  # the key mask and the causal mask
                 return super().call(query, value, key=key, attention_mask=dense)
-            q = self._query_dense(query)  # [B, T, N, H]
-            k = self._key_dense(value if key is None else key)  # [B, S, N, H]
-            v = self._value_dense(value)
-            training = compat.tf_keras("engine.base_layer_utils").call_context().training  # (this call has no argument)
-            out = _attend(self, q, k, v, mask, training)
-            return self._output_dense(out), cache
+            q, k, v = compat.project_inputs(self, query, value, key)  # [B, T, N, H]; [B, S, N, H] each
+            out = _attend(self, q, k, v, mask, compat.call_training())  # (this call has no `training` argument)
+            return compat.project_output(self, out), cache
 
     CausalCachedAttention.__module__ = __name__
     CausalCachedAttention.__qualname__ = CausalCachedAttention.__name__
@@ -188,7 +188,7 @@ def use_blockwise(layer, decoder_self_attention: bool = False) -> list[str]:
             inner.__class__ = _CAUSAL_CLASSES.setdefault(cls, _causal_cached_class(cls))
         else:
             continue
-        inner._tfpod_notes = notes
+        _NOTES[inner] = notes
         swapped.append(inner.name)
     return swapped
 

@@ -286,7 +286,6 @@ class Controller:
         progress.begin(step)
         self._rate, self._traces_seen, self._calls = None, self.trainer.traces, 0
         self.writer.reset_window()
-        stop = None
         hang = watchdog.Watchdog(c.hang_timeout_s, c.hang_factor, c.hang_min_s)
         injector = faults.Injector(self.model_dir, self.info.client_id, self.info.num_clients, c.steps)
         self.checkpoints.fault = injector.at_save if injector.pending else None
@@ -300,47 +299,61 @@ class Controller:
                                 "resume")
                     return {"step": step, "loss": None, "losses": [], "preempted": True}
                 run_actions, metrics = self.make_actions(feed, eval_batches, run_files, preempt, t_start, progress)
-                while step < c.steps:
-                    n = self._next_stop(step, run_actions) - step
-                    hang.before_call(step, n)
-                    batch = injector.before_call(step, n, feeding.stack([next(batches) for _ in range(n)],
-                                                                        c.steps_per_loop))
-                    losses, norms = self._call(batch, n, step)
-                    hang.after_call(step, n, self._last_call_s)
-                    progress.steps(n, self._last_call_s, step + n)
-                    outcome = actionslib.Outcome(step, losses, norms, c.steps)
-                    for action in run_actions:
-                        action(outcome)
-                        if outcome.rolled_back_to is not None:
-                            break
-                    if outcome.rolled_back_to is not None:  # the weights, slots and step are the checkpoint's again
-                        del losses_so_far[max(0, outcome.rolled_back_to - start_step):]
-                        step = outcome.rolled_back_to
-                        self.writer.reset_window()
-                        continue
-                    step = outcome.end
-                    losses_so_far.extend(float(x) for x in losses)
-                    if outcome.last:
-                        stop = outcome.stop
-                        break
+                step, stop = self._calls_until_done(step, batches, run_actions, losses_so_far, hang, injector, progress)
         finally:
             hang.stop()
+        preempted = stop == "preempted"
+        self._finish(step, start_step, t_start, losses_so_far, progress, preempted)
+        return {"step": step, "loss": metrics.last_loss, "losses": losses_so_far, "preempted": preempted}
+
+    def _calls_until_done(self, step: int, batches, run_actions: Sequence[actionslib.Action], losses_so_far: list,
+                          hang: watchdog.Watchdog, injector: faults.Injector, progress: goodput.Goodput
+                          ) -> tuple[int, str | None]:
+        """Calls the compiled loop from `step` until train.steps or an action stops the run, each
+        call's outcome handed to the actions in order (a rollback restarts from its step);
+        `losses_so_far` gets each trained step's loss. Returns (the final step, why it stopped
+        early: the last outcome's `stop`, or None)."""
+        c, start_step = self.cfg, step
+        while step < c.steps:
+            n = self._next_stop(step, run_actions) - step
+            hang.before_call(step, n)
+            batch = injector.before_call(step, n, feeding.stack([next(batches) for _ in range(n)], c.steps_per_loop))
+            losses, norms = self._call(batch, n, step)
+            hang.after_call(step, n, self._last_call_s)
+            progress.steps(n, self._last_call_s, step + n)
+            outcome = actionslib.Outcome(step, losses, norms, c.steps)
+            for action in run_actions:
+                action(outcome)
+                if outcome.rolled_back_to is not None:
+                    break
+            if outcome.rolled_back_to is not None:  # the weights, slots and step are the checkpoint's again
+                del losses_so_far[max(0, outcome.rolled_back_to - start_step):]
+                step = outcome.rolled_back_to
+                self.writer.reset_window()
+                continue
+            step = outcome.end
+            losses_so_far.extend(float(x) for x in losses)
+            if outcome.last:
+                return step, outcome.stop
+        return step, None
+
+    def _finish(self, step: int, start_step: int, started: float, losses: list, progress: goodput.Goodput,
+                preempted: bool) -> None:
+        """After the last call: background writes complete, the goodput and summary lines."""
         self.checkpoints.wait()  # a checkpoint written in the background (train.async_checkpoint) is complete
         if self.checkpoints.memory is not None:
             self.checkpoints.memory.wait_sent()
         summary = progress.record()
         self.writer.goodput(step, summary)
         log.info("%s", goodput.Goodput.line(summary))
-        preempted = stop == "preempted"
         if preempted:
             log.warning("preempted: saved %s at step %d; rerun the same command to resume", self.checkpoints.latest,
                         step)
         log.info(
             "trained steps %d..%d in %s; step %d's own loss %.4f (a step line's: the mean since the line before)",
-            start_step, step, datetime.timedelta(seconds=round(time.time() - t_start)), step, losses_so_far[-1],
+            start_step, step, datetime.timedelta(seconds=round(time.time() - started)), step, losses[-1],
         )
         self.writer.flush()
-        return {"step": step, "loss": metrics.last_loss, "losses": losses_so_far, "preempted": preempted}
 
     def make_actions(self, feed, eval_batches: list | None, run_files: Mapping[str, str] | None,
                      preempt: preemption.Preemption, started: float, progress: goodput.Goodput

@@ -139,7 +139,7 @@ def describe(mesh: dtensor.Mesh, global_batch: int, seq_len: int | None, batch_a
             f"{batch_axis!r} of size {shards}: use a multiple of {shards}"
         )
     axes = ",".join(f"{n}:{mesh.dim_size(n)}" for n in mesh.dim_names)
-    devices = mesh.num_global_devices() if hasattr(mesh, "num_global_devices") else mesh.size
+    devices = mesh.size  # (every host's devices)
     if stages > 1:
         axes, devices = f"stage:{stages},{axes}", devices * stages
     text = (

@@ -383,8 +383,14 @@ class Update:
 
     @staticmethod
     def scaled(grads: Sequence[tf.Tensor], scales: Sequence[tf.Tensor]) -> list[tf.Tensor]:
-        """Each gradient times its clipping scale (a scalar where the gradient lives)."""
-        return [g * tf.cast(scale, g.dtype) for g, scale in zip(grads, scales)]
+        """Each gradient times its clipping scale (a scalar where the gradient lives).
+
+        The product passes an Identity, as in tf.clip_by_global_norm: without it, DTensor's
+        layout propagation carried the update's layouts back into the step and a context
+        mesh's q/k/v transposes failed SPMD expansion ("TransposeOp SPMD needs communication",
+        `context:2,model:2,data:2` under `2d`). A gradient that is a structure of tensors (an
+        embedding table's rows, tfpod.embedding.sparse.Rows) scales and passes as one."""
+        return [tf.nest.map_structure(tf.identity, g * tf.cast(scale, g.dtype)) for g, scale in zip(grads, scales)]
 
     def apply(self, grads: Sequence[tf.Tensor], indices: Sequence[int] | None = None, coefficients=None) -> None:
         """One optimizer update of the weights at `indices` (all by default) from their

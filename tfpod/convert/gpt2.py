@@ -59,7 +59,7 @@ def hub_config(c: gpt.GPTConfig, data=None) -> dict:
     if c.activation not in TO_HUB_ACTIVATION:
         raise UserError(f"gpt.activation={c.activation!r} has no GPT-2 equivalent: export needs one of "
                         f"{', '.join(TO_HUB_ACTIVATION)}")
-    eos = getattr(data, "eos_id", None)
+    eos = None if data is None else data.eos_id
     eos = c.vocab_size - 1 if eos is None else eos
     return {"architectures": [EXPORT_ARCHITECTURE], "model_type": MODEL_TYPE, "vocab_size": c.vocab_size,
             "n_positions": c.seq_len, "n_ctx": c.seq_len, "n_embd": c.embed_dim, "n_layer": c.num_layers,

@@ -73,9 +73,9 @@ def hub_config(c: llama.LlamaConfig, data=None) -> dict:
     if c.dropout:
         log.warning("llama.dropout=%s has no LlamaForCausalLM equivalent (only attention_dropout): not exported",
                     c.dropout)
-    eos = getattr(data, "eos_id", None)
+    eos = None if data is None else data.eos_id
     eos = c.vocab_size - 1 if eos is None else eos
-    bos = getattr(data, "bos_id", None)
+    bos = None if data is None else data.bos_id
     out = {"architectures": [EXPORT_ARCHITECTURE], "model_type": MODEL_TYPE, "vocab_size": c.vocab_size,
            "max_position_embeddings": c.seq_len, "hidden_size": c.embed_dim, "intermediate_size": c.mlp_dim,
            "num_hidden_layers": c.num_layers, "num_attention_heads": c.num_heads,

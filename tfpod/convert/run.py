@@ -202,7 +202,7 @@ def export_hub(model_dir: str, out: str, checkpoint_prefix: str | None = None) -
     params = family.params(c.model, family.EXPORT_ARCHITECTURE)
     tensors = ((p.hub, p.to_hub(*[values[n].numpy() for n in p.tfpod])) for p in params)
     files = hublib.write_folder(out, family.hub_config(c.model, c.data), tensors)
-    if family is bert and getattr(c.data, "vocab_path", None) and str(c.data.vocab_path).endswith(".txt"):
+    if family is bert and c.data.vocab_path and str(c.data.vocab_path).endswith(".txt"):
         shutil.copy(c.data.vocab_path, os.path.join(out, "vocab.txt"))
     log.info("exported %s (%d tensors) to %s", path, len(params), out)
     return {"checkpoint": path, "files": files, "tensors": len(params)}

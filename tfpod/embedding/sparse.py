@@ -51,6 +51,14 @@ class Rows:
         """The rows scaled as a gradient is (`optimizers.Update.scaled`'s clipping)."""
         return Rows(self.ids, self.values * scale)
 
+    def __tf_flatten__(self):  # a tf.nest structure of its two tensors (Update.scaled maps over it)
+        return None, (self.ids, self.values)
+
+    @classmethod
+    def __tf_unflatten__(cls, metadata, components) -> "Rows":
+        del metadata
+        return cls(*components)
+
 
 @dataclasses.dataclass(frozen=True)
 class SparseRule:

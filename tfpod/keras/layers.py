@@ -188,13 +188,13 @@ class Normalization(tf_keras.layers.Normalization):
                 variable.assign(value)
 
     def call(self, inputs):
-        x = tf.cast(self._standardize_inputs(inputs), self.compute_dtype)
+        x = tf.cast(compat.normalization_inputs(self, inputs), self.compute_dtype)
+        broadcast, keep_axes = compat.normalization_shapes(self)
         if self.input_mean is not None:  # given as numbers (ConvNeXt's): constants made in the step, not
-            kept = [self._broadcast_shape[d] for d in self._keep_axis]  # captured ones off the mesh
-            mean, variance = (np.reshape(v * np.ones(kept), self._broadcast_shape)
-                              for v in (self.input_mean, self.input_variance))
+            kept = [broadcast[d] for d in keep_axes]  # captured ones off the mesh
+            mean, variance = (np.reshape(v * np.ones(kept), broadcast) for v in (self.input_mean, self.input_variance))
         else:
-            mean, variance = (tf.reshape(v, self._broadcast_shape) for v in (self.adapt_mean, self.adapt_variance))
+            mean, variance = (tf.reshape(v, broadcast) for v in (self.adapt_mean, self.adapt_variance))
         mean, variance = (tf.cast(v, self.compute_dtype) for v in (mean, variance))
         scale = tf.maximum(tf.sqrt(variance), tf_keras.backend.epsilon())
         return mean + x * scale if self.invert else (x - mean) / scale

@@ -108,8 +108,9 @@ class KerasSharding(compat.layout_map_lib().LayoutMap):
         super().__init__(mesh=mesh)
         self.mesh, self.attention = mesh, attention
         self.rules = _parse_rules(rules, mesh)
-        self.table = shardinglib.rules_table(preset, overrides)
-        shardinglib.get_preset(preset).check_keras(self.table, mesh)
+        resolved = shardinglib.get_preset(preset)
+        self.table = shardinglib.rules_table(resolved, overrides)
+        resolved.check_keras(self.table, mesh)
         # Mesh axes named directly in a rule map to themselves.
         for r in self.rules:
             for a in r.axes:

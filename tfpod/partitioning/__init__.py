@@ -29,11 +29,15 @@ The modules, each usable on its own (this package re-exports their public names)
 
   presets      the Preset objects and their registry (PRESETS, get_preset, register)
   rules        logical axes, AxisRule, rules_table, resolve (validation),
-               check_mesh_axes, ShardingConfig (gin `sharding.*`)
+               check_mesh_axes, layout_for
+  sharding_config
+               ShardingConfig (gin `sharding.*`): the run's preset resolved once
+               (preset_for), its table with the overrides, the update axis
   report       the layout report (layouts.txt)
   build        a tf_keras model materialized as DVariables laid out by the rules;
                update_layout (weight-update sharding); gather_when_used (`2d`)
-  activations  shard / split / replicate of activations inside the compiled step
+  step_context the traced step's context (StepContext: mesh, table, microbatch, stage,
+               attention) and shard / split / replicate of activations inside it
   spatial      convolutions and pooling on image rows split over a mesh axis (halo exchange)
   stages       the `stage` axis: pipeline stages' sub-meshes, copies between them
   context      the `context` axis: sequences in balanced chunks (context parallelism)
@@ -43,8 +47,8 @@ The modules, each usable on its own (this package re-exports their public names)
 """
 
 
-from tfpod.partitioning.activations import (activation_sharding, active_context, current_context, replicate, shard,
-                                           split, tracing)
+from tfpod.partitioning.step_context import (activation_sharding, active_context, current_context, replicate, shard,
+                                             split, tracing)
 from tfpod.partitioning import context, spatial, stages
 from tfpod.partitioning.build import (build_sharded, compute_layout, gather_when_used, gathered_weights, rows_split,
                                       lazy_model, update_layout, variable_specs)
@@ -53,8 +57,9 @@ from tfpod.partitioning.placement import (Placement, batch_mesh_axis, check_micr
                                          place, split_microbatches)
 from tfpod.partitioning.report import bytes_per_device, layout_report
 from tfpod.partitioning.presets import PRESETS, Preset, get_preset
-from tfpod.partitioning.rules import (CONTEXT_AXIS, LOGICAL_AXES, AxisRule, ShardingConfig, VarSpec,
-                                      check_mesh_axes, layout_for, resolve, rules_table)
+from tfpod.partitioning.rules import (CONTEXT_AXIS, LOGICAL_AXES, AxisRule, VarSpec, check_mesh_axes, layout_for,
+                                      resolve, rules_table)
+from tfpod.partitioning.sharding_config import ShardingConfig
 
 __all__ = [
     "activation_sharding",

@@ -17,7 +17,7 @@ import numpy as np
 import tensorflow as tf
 
 from tfpod import UserError
-from tfpod.partitioning.activations import active_context
+from tfpod.partitioning.step_context import active_context
 from tfpod.partitioning.rules import CONTEXT_AXIS
 
 

@@ -20,7 +20,7 @@ import tensorflow as tf
 from tensorflow.experimental import dtensor
 
 from tfpod import compat
-from tfpod.partitioning.activations import active_context, within
+from tfpod.partitioning.step_context import active_context, within
 
 
 def microbatch(index):

@@ -23,10 +23,11 @@ import tensorflow as tf
 from tensorflow.experimental import dtensor
 
 from tfpod import UserError
-from tfpod.partitioning.activations import activation_sharding, within
-from tfpod.partitioning.presets import Preset, get_preset
+from tfpod.partitioning.step_context import activation_sharding, within
+from tfpod.partitioning.presets import Preset
 from tfpod.partitioning.context import zigzag
-from tfpod.partitioning.rules import CONTEXT_AXIS, ShardingConfig, check_mesh_axes, layout_for
+from tfpod.partitioning.rules import CONTEXT_AXIS, check_mesh_axes, layout_for
+from tfpod.partitioning.sharding_config import ShardingConfig
 
 
 def batch_mesh_axis(axes: Sequence[str | None], table: Mapping[str, str | None], mesh) -> str | None:
@@ -160,21 +161,21 @@ class Placement:
         stages = tuple(mesh) if isinstance(mesh, (list, tuple)) else ()
         if stages:
             mesh = stages[0]
-        placement = cls(mesh, config.table(default_preset, mesh.dim_names), config.optimizer_axis(default_preset),
-                        config.gather_axis(default_preset), stages if len(stages) > 1 else (),
-                        get_preset(config.preset or default_preset), attention)
+        preset = config.preset_for(default_preset)
+        placement = cls(mesh, config.table(preset, mesh.dim_names), config.update_axis_of(preset), preset.gather_axis,
+                        stages if len(stages) > 1 else (), preset, attention)
         if config.sequence_parallel and CONTEXT_AXIS in mesh.dim_names and placement.table.get("sequence") == CONTEXT_AXIS:
             logging.getLogger("tfpod").warning("sharding.sequence_parallel=True on a mesh with a `context` axis: the stream between "
                             "blocks is split along the sequence over `context` already, not also over `model` "
                             "(one dimension splits over one mesh axis); set sequence_parallel=False to silence this")
         if check:
             check_mesh_axes(mesh, placement.table, (placement.update_axis, placement.gather_axis),
-                            preset=config.preset or default_preset,
+                            preset=preset.name,
                             fix="map a logical axis to it with sharding.rules (e.g. {'mlp': '<axis>'})")
         return placement
 
     def activations(self, microbatches: int = 1) -> contextlib.AbstractContextManager:
-        """A step's context on this placement (partitioning.activations.StepContext): within
+        """A step's context on this placement (partitioning.step_context.StepContext): within
         it models' activation annotations relayout on this mesh, and attention traces with
         this placement's."""
         return activation_sharding(self.mesh, self.table, microbatches, attention=self.attention)

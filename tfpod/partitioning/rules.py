@@ -17,7 +17,7 @@ import tensorflow as tf
 from tensorflow.experimental import dtensor
 
 from tfpod import UserError
-from tfpod.partitioning.presets import get_preset
+from tfpod.partitioning.presets import Preset, get_preset
 
 LOGICAL_AXES = ("batch", "length", "sequence", "height", "embed", "heads", "kv_heads", "kv", "mlp", "vocab", "expert")
 # Logical axes whose dimension is replicated where it does not divide over its mesh axis
@@ -76,20 +76,21 @@ class VarSpec:
     trainable: bool = True
 
 
-def rules_table(preset: str, overrides: Mapping[str, str | None] | None = None) -> dict[str, str | None]:
+def rules_table(preset: str | Preset, overrides: Mapping[str, str | None] | None = None) -> dict[str, str | None]:
     """The logical->mesh axis table of a preset, with user overrides applied.
 
     Args:
-      preset: a registered preset's name (tfpod.partitioning.presets).
+      preset: a Preset, or a registered preset's name (tfpod.partitioning.presets).
       overrides: {logical_axis: mesh_axis or None} replacing the preset's entries.
 
     Raises:
       UserError: unknown preset, or an unknown logical axis in the preset or the overrides.
     """
+    preset = preset if isinstance(preset, Preset) else get_preset(preset)
     table = {a: None for a in LOGICAL_AXES}
-    for logical, mesh_axis in get_preset(preset).table.items():
+    for logical, mesh_axis in preset.table.items():
         if logical not in LOGICAL_AXES:
-            raise UserError(f"sharding.preset={preset!r}: its table names unknown logical axis {logical!r}; use one "
+            raise UserError(f"sharding.preset={preset.name!r}: its table names unknown logical axis {logical!r}; use one "
                             f"of {', '.join(LOGICAL_AXES)}")
         table[logical] = mesh_axis
     for logical, mesh_axis in (overrides or {}).items():
@@ -231,58 +232,3 @@ def resolve(
             "regex (it must match a whole variable name, see layouts.txt) or remove it"
         )
     return layouts
-
-
-PIPELINE_SCHEDULES = ("gpipe", "1f1b")
-
-
-@dataclasses.dataclass(frozen=True)
-class ShardingConfig:
-    """Attributes map 1:1 to gin `sharding.<name>`.
-
-    Attributes:
-      preset: a preset's name, see tfpod.partitioning.presets (None: the experiment's default).
-      rules: {logical axis: mesh axis or None} overriding the preset's table.
-      sequence_parallel: split the residual stream between blocks over `model` along
-        the sequence (Megatron sequence parallelism).
-      update_axis: mesh axis to shard the optimizer state and update over (None: the
-        preset's; "" for none).
-      pipeline_schedule: with a `stage` mesh axis, the order each stage runs its
-        microbatches in: "gpipe" (all forwards, then all backwards) or "1f1b" (one
-        forward, one backward: at most `stage` microbatches' activations alive).
-    """
-
-    preset: str | None = None
-    rules: Mapping[str, str | None] | None = None
-    sequence_parallel: bool = False
-    update_axis: str | None = None
-    pipeline_schedule: str = "gpipe"
-
-    def __post_init__(self):
-        if self.pipeline_schedule not in PIPELINE_SCHEDULES:
-            raise UserError(f"sharding.pipeline_schedule={self.pipeline_schedule!r}: use one of "
-                            f"{', '.join(PIPELINE_SCHEDULES)}")
-
-    def table(self, default_preset: str, mesh_axes: Iterable[str] = ()) -> dict[str, str | None]:
-        """The rules table on a mesh with `mesh_axes`: the preset's, `rules`, sequence
-        parallelism (`sequence` over `model`), and with a `context` axis context parallelism
-        (`length` and `sequence` over `context`: the stream between blocks is split along the
-        sequence already, and one dimension splits over one mesh axis, so sequence parallelism
-        adds nothing there; Placement.from_config says so)."""
-        overrides = dict(self.rules or {})
-        if CONTEXT_AXIS in mesh_axes:  # (sequence parallelism's split of the stream is context's then)
-            overrides.setdefault("length", CONTEXT_AXIS)
-            overrides.setdefault("sequence", CONTEXT_AXIS)
-        if self.sequence_parallel:
-            overrides.setdefault("sequence", "model")
-        return rules_table(self.preset or default_preset, overrides)
-
-    def optimizer_axis(self, default_preset: str) -> str | None:
-        """The mesh axis the optimizer state and update are sharded over, if any."""
-        if self.update_axis is not None:
-            return self.update_axis or None
-        return get_preset(self.preset or default_preset).update_axis
-
-    def gather_axis(self, default_preset: str) -> str | None:
-        """The mesh axis whose weight shards are gathered where a layer uses them, if any."""
-        return get_preset(self.preset or default_preset).gather_axis

@@ -52,7 +52,7 @@ from tensorflow.experimental import dtensor
 
 from tfpod import compat
 from tfpod.fused import conv_geometry, dilate
-from tfpod.partitioning.activations import active_context, shard
+from tfpod.partitioning.step_context import active_context, shard
 
 log = logging.getLogger("tfpod")
 

@@ -100,6 +100,12 @@ def _kind(layer, layers, inputs, args, kwargs) -> _Kind | None:
                  [each.name for each in layers])
 
 
+# What a sublayer's build may be given for its block to be replayed: tensors (TensorSpecs, in a
+# replay), recorded as specs, and plain Python values (None, flags, sizes), recorded as they are.
+# (An array or a variable holds values a replay would not have.)
+_RECORDABLE = (tf.Tensor, tf.TensorSpec, type(None), bool, int, float, str)
+
+
 def _spec(x):
     return tf.TensorSpec(x.shape, x.dtype) if isinstance(x, tf.Tensor) else x
 
@@ -129,8 +135,7 @@ class _Record:
         i, below = self.index(layer), _below(scope, self.scope)
         # A layer builds in its own name scope; the replay names it after the replayed layer.
         self.replayable &= below is not None and (below == layer.name or below.endswith("/" + layer.name))
-        self.replayable &= all(isinstance(x, (tf.Tensor, tf.TensorSpec)) or not hasattr(x, "shape")  # (a replay's)
-                               for x in tf.nest.flatten(inputs))
+        self.replayable &= all(isinstance(x, _RECORDABLE) for x in tf.nest.flatten(inputs))
         self.events.append(("build", i, below, tf.nest.map_structure(_spec, inputs)))
         return len(self.events) - 1
 
@@ -138,7 +143,7 @@ class _Record:
         """Checks what the call did can be replayed; keeps the outputs' specs and the weights."""
         flat = tf.nest.flatten(outputs)
         self.replayable &= all(
-            x is None or (isinstance(x, tf.Tensor) and getattr(x, "_keras_mask", None) is None
+            x is None or (isinstance(x, tf.Tensor) and compat.keras_mask(x) is None
                           and tf.get_static_value(x) is None) for x in flat)
         self.replayable &= compat.flatten_layers(block, include_self=False) == self.layers  # none made while called
         self.replayable &= all(id(w) in self.made for w in block.weights if id(w) not in self.weights_before)

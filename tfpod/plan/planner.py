@@ -176,7 +176,7 @@ class Planner:
         placement = Placement.from_config(sharding, task.default_preset, meshes)
         placement.preset.check_run(task, placement)  # what training would refuse (e.g. 2d inside stages)
         mesh, table = placement.mesh, placement.table
-        preset = sharding.preset or task.default_preset
+        preset = placement.preset.name
         if self.sparse and (placement.update_axis or num_stages > 1):  # (tfpod.embedding.executor.check_supported)
             raise UserError(f"preset {preset!r}: embedding tables train without a sharded update or pipeline stages")
         layouts = resolve(self.specs, task.axis_rules, table, mesh)
