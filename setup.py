@@ -11,7 +11,7 @@ setup(
     version="0.1.0",
     description="Multi-host, multi-accelerator training with TensorFlow DTensor",
     python_requires=">=3.10,<3.13",
-    packages=["tfpod", "tfpod.keras", "tfpod.partitioning", "tfpod.partitioning.presets", "tfpod.pipeline", "tfpod.convert", "tfpod.doctor", "tfpod.plan", "tfpod.input", "tfpod.models", "tfpod.gin"],
+    packages=["tfpod", "tfpod.keras", "tfpod.keras3", "tfpod.partitioning", "tfpod.partitioning.presets", "tfpod.pipeline", "tfpod.convert", "tfpod.doctor", "tfpod.plan", "tfpod.input", "tfpod.models", "tfpod.gin"],
     package_dir={"tfpod": "tfpod", "tfpod.input": "input", "tfpod.models": "models", "tfpod.gin": "gin"},
     package_data={"tfpod.gin": ["*.gin", "*/*.gin"]},
     install_requires=[
