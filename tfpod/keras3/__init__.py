@@ -26,6 +26,8 @@ distribution is set. The modules:
              batch axis
   steps      Keras's train / test / predict steps compiled as one SPMD program each
   random     random draws in a step (dropout masks) made as one device makes them
+  ops        what DTensor cannot lay out in Keras's layers (split convolution kernels,
+             depthwise convolutions, average pooling, a row-split Embedding), done another way
   model      the distribution a model runs under, checked at compile / fit / evaluate /
              predict (never silently on one device); `model.export` from an unsharded view
   internals  the private parts of Keras 3 the above replace (the only module that touches them)
@@ -54,12 +56,13 @@ def install() -> bool:
     if internals.backend_name() != "tensorflow":
         return False
     internals.check_version()
-    from tfpod.keras3 import backend, model, random, steps, variables
+    from tfpod.keras3 import backend, model, ops, random, steps, variables
 
     backend.install()
     variables.install()
     steps.install()
     random.install()
+    ops.install()
     model.install()
     _INSTALLED = True
     return True

@@ -149,3 +149,23 @@ def draw_seed(seed):
 
 def concrete_noise_shape(inputs, noise_shape):
     return random_module()._get_concrete_noise_shape(inputs, noise_shape)
+
+
+def nn_module():
+    """keras.src.backend.tensorflow.nn: convolutions, pooling (what keras.ops.* call)."""
+    return _module("keras.src.backend.tensorflow.nn")
+
+
+def tf_optimizer_class():
+    """The TensorFlow backend's optimizer base class (keras.src.backend.tensorflow.optimizer.TFOptimizer)."""
+    return _module("keras.src.backend.tensorflow.optimizer").TFOptimizer
+
+
+def embedding_table(layer):
+    """An Embedding layer's own table variable (a Keras variable; `embeddings` adds LoRA to it)."""
+    return getattr(layer, "_embeddings", None)
+
+
+def image_module():
+    """keras.src.backend.tensorflow.image: resize (what Resizing and keras.ops.image.resize call)."""
+    return _module("keras.src.backend.tensorflow.image")

@@ -17,11 +17,13 @@ Models without DVariables keep Keras's functions; nothing changes without a dist
 from __future__ import annotations
 
 import contextlib
+import re
 import weakref
 
 import tensorflow as tf
 from tensorflow.experimental import dtensor
 
+from tfpod import UserError
 from tfpod.keras3 import data, internals
 
 _ORIGINAL = {}
@@ -66,6 +68,11 @@ def active_mesh() -> dtensor.Mesh | None:
     return _ACTIVE[-1].mesh if _ACTIVE else None
 
 
+def active_batch_axis() -> str | None:
+    """The mesh axis batches are split over in the step running now (None: none)."""
+    return _ACTIVE[-1].distribution.batch_dim_name if _ACTIVE else None
+
+
 def _placed(model, batch):
     if isinstance(batch, Placed):
         return batch.value
@@ -81,6 +88,73 @@ def _on_mesh(model) -> bool:
     return model in _PLACERS
 
 
+_NO_LAYOUT = re.compile(r"'tf\.(\w+)' op does not implement layout propagation")
+_UNEVEN = re.compile(r"splits among (\d+) values, which does not evenly divide the length of that axis \((\d+)\)")
+_NOT_ON_MESH = re.compile(r"got a regular tensor for input \d+ \(shape (\[[^\]]*\])\) but was expecting a DTensor")
+
+
+def _layer_named_in(model, op_name: str):
+    """The outermost layer of `model` whose name is a part of the op's name scope (TensorFlow
+    may add a `_1` to a scope it opened before), or None."""
+    layers = {layer.name: layer for layer in internals.flatten_layers(model) if layer is not model}
+    for part in op_name.split("/"):
+        for name in (part, re.sub(r"_\d+$", "", part)):
+            if name in layers:
+                return layers[name]
+    return None
+
+
+def translate_error(model, error: Exception, step, batch) -> UserError | None:
+    """One UserError line for DTensor's refusal of a step (None: not one of DTensor's).
+
+    "op does not implement layout propagation" names the layer whose op it is (found in
+    the traced step's graph) and what to do; a host tensor the step captured names its shape.
+    """
+    text = str(error)
+    missing = _NO_LAYOUT.search(text)
+    if missing:
+        from tfpod.keras import support
+
+        op = missing.group(1)
+        where = ""
+        try:
+            found = support.unsupported_ops(step.get_concrete_function(batch).graph)
+        except Exception:  # the trace itself is not available: the op alone is named
+            found = []
+        fix = support.UNSUPPORTED.get(op)
+        layers = [_layer_named_in(model, name) for kind, name in found
+                  if kind == op or support.UNSUPPORTED[kind] == fix]
+        layer = next((l for l in layers if l is not None), None)
+        if layer is not None:
+            where = f"layer {layer.name!r} ({type(layer).__name__}) uses "
+        fix = fix or ("replace the layer or op that uses it (docs/keras.md lists what trains under "
+                      "keras.distribution)")
+        return UserError(f"model {model.name!r}: {where}the op {op}, which DTensor cannot lay out "
+                         f"(keras.distribution on TensorFlow): {fix}")
+    uneven = _UNEVEN.search(text)
+    if uneven:
+        return UserError(f"model {model.name!r}: DTensor carried a split over {uneven.group(1)} devices from a split "
+                         f"kernel to an activation of length {uneven.group(2)}, which it does not divide (a kernel "
+                         "split by rows passes its split back to the layers before it): split that kernel by columns, "
+                         "or make the sizes before it multiples of the mesh axis")
+    captured = _NOT_ON_MESH.search(text)
+    if captured:
+        return UserError(f"model {model.name!r}: its step uses a tensor of shape {captured.group(1)} that is not on "
+                         "the mesh (a constant a layer made outside the distribution): make the layer under the "
+                         "distribution, or hold the value in a keras.Variable (add_weight)")
+    return None
+
+
+def _run(model, step, batch):
+    try:
+        return step(batch)
+    except (tf.errors.UnknownError, tf.errors.UnimplementedError, tf.errors.InvalidArgumentError) as e:
+        refusal = translate_error(model, e, step, batch)
+        if refusal is None:
+            raise
+        raise refusal from None
+
+
 def make_function(self, step_function):
     """TensorFlowTrainer._make_function on the mesh: `steps_per_execution` placed batches per call."""
     if not _on_mesh(self):
@@ -93,7 +167,7 @@ def make_function(self, step_function):
     def function(iterator):
         outputs = None
         for _, batch in zip(range(model.steps_per_execution), iterator):
-            outputs = step(_placed(model, batch))
+            outputs = _run(model, step, _placed(model, batch))
         if outputs is None:
             raise StopIteration
         return outputs
@@ -131,7 +205,7 @@ def make_predict_function(self, force: bool = False):
         one_step = tf.function(one_step, reduce_retracing=True, jit_compile=self.jit_compile)
 
     def predict_function(batches):
-        outputs = [tf.nest.map_structure(_host, one_step(_placed(model, b))) for b in batches]
+        outputs = [tf.nest.map_structure(_host, _run(model, one_step, _placed(model, b))) for b in batches]
         if len(outputs) == 1:
             return outputs[0]
         return tf.nest.map_structure(lambda *parts: tf.concat(parts, axis=0), *outputs)
