@@ -169,3 +169,8 @@ def embedding_table(layer):
 def image_module():
     """keras.src.backend.tensorflow.image: resize (what Resizing and keras.ops.image.resize call)."""
     return _module("keras.src.backend.tensorflow.image")
+
+
+def base_trainer_class():
+    """keras.src.trainers.trainer.Trainer (compile lives there; Keras compares a model's compile to it)."""
+    return _module("keras.src.trainers.trainer").Trainer

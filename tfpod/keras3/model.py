@@ -167,8 +167,10 @@ def install() -> None:
         return
     trainer = internals.trainer_module().TensorFlowTrainer
     for name in _WRAPPED:
-        _ORIGINAL[name] = getattr(trainer, name)
-        setattr(trainer, name, _wrap(name, _ORIGINAL[name]))
+        # compile in Keras's base Trainer, where it is defined: loading compares a model's compile to it
+        owner = internals.base_trainer_class() if name == "compile" else trainer
+        _ORIGINAL[name] = getattr(owner, name)
+        setattr(owner, name, _wrap(name, _ORIGINAL[name]))
     from keras import Model
 
     _ORIGINAL["export"] = Model.export

@@ -133,7 +133,7 @@ def _numpy(self):
     return _ORIGINAL["numpy"](self)
 
 
-def _array(self, dtype=None):
+def _array(self, dtype=None, copy=None):
     target = internals.value_of(self)
     if is_dvariable(target):
         return np.asarray(placement.gather(target.read_value()), dtype=dtype)
