@@ -56,10 +56,11 @@ def install() -> bool:
     if internals.backend_name() != "tensorflow":
         return False
     internals.check_version()
-    from tfpod.keras3 import backend, model, ops, random, steps, variables
+    from tfpod.keras3 import backend, data, model, ops, random, steps, variables
 
     backend.install()
     variables.install()
+    data.install()
     steps.install()
     random.install()
     ops.install()

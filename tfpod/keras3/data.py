@@ -8,6 +8,11 @@ once, on the host, in Keras's own order, and packs every batch into DTensors lai
 each local device getting only its rows. One host-side iterator means a dataset shuffled
 without a seed still gives every device rows of the same batch.
 
+On several hosts Keras's `distribute_dataset` re-batches and shards the dataset, which loses
+its length; a dataset of whole batches (a static batch dimension) keeps it here, so that Keras
+knows each epoch's steps (without it Keras warns that the input "ran out of data" at the end of
+the first epoch).
+
 A batch whose rows do not divide over the batch axis (the last, partial batch of arrays
 whose length is not a multiple of the batch size) runs replicated on one host: every
 device computes all its rows, which is what one device computes. On several hosts every
@@ -16,6 +21,7 @@ host must feed whole batches (`drop_remainder=True`).
 
 from __future__ import annotations
 
+import functools
 import logging
 
 import numpy as np
@@ -23,7 +29,7 @@ import tensorflow as tf
 from tensorflow.experimental import dtensor
 
 from tfpod import UserError
-from tfpod.keras3 import backend, placement
+from tfpod.keras3 import backend, internals, placement
 
 log = logging.getLogger("tfpod")
 
@@ -110,3 +116,30 @@ class MeshBatches:
     def __iter__(self):
         for batch in self.dataset:
             yield self.placer.place(batch)
+
+
+def _keeping_length(original):
+    @functools.wraps(original)
+    def distribute_dataset(self, dataset):
+        distributed = original(self, dataset)
+        if distributed is dataset or not isinstance(dataset, tf.data.Dataset):
+            return distributed
+        count = int(dataset.cardinality().numpy())
+        whole = all(s.shape.rank and s.shape[0] is not None for s in tf.nest.flatten(dataset.element_spec))
+        if count >= 0 and whole and int(distributed.cardinality().numpy()) < 0:
+            distributed = distributed.apply(tf.data.experimental.assert_cardinality(count))
+        return distributed
+
+    return distribute_dataset
+
+
+_ORIGINAL = {}
+
+
+def install() -> None:
+    """Wraps Keras's Distribution.distribute_dataset (once)."""
+    if _ORIGINAL:
+        return
+    base = internals.distribution_base_class()
+    _ORIGINAL["distribute_dataset"] = base.distribute_dataset
+    base.distribute_dataset = _keeping_length(base.distribute_dataset)

@@ -174,3 +174,21 @@ def image_module():
 def base_trainer_class():
     """keras.src.trainers.trainer.Trainer (compile lives there; Keras compares a model's compile to it)."""
     return _module("keras.src.trainers.trainer").Trainer
+
+
+def backup_save_method(callback_class):
+    """keras.callbacks.BackupAndRestore's method that writes the backup (weights, then epoch metadata)."""
+    return callback_class._save_model
+
+
+def set_backup_save_method(callback_class, method) -> None:
+    callback_class._save_model = method
+
+
+def backup_weights_path(callback) -> str:
+    return callback._weights_path
+
+
+def distribution_base_class():
+    """keras.src.distribution.distribution_lib.Distribution (DataParallel's and ModelParallel's base)."""
+    return _module("keras.src.distribution.distribution_lib").Distribution

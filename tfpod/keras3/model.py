@@ -10,6 +10,10 @@ Never silently on one device: a model built before `set_distribution` and traine
 set, a model with variables on two meshes or half on one device, or a distribution other
 than the model's, stops with one line. Optimizer and metric state made outside the
 distribution (an optimizer object made before it) is moved onto the mesh, with a log line.
+
+On several hosts every host gathers the weights `model.save`, `save_weights` and
+`BackupAndRestore` write (a collective), and host 0 alone writes and deletes the files: the
+hosts share the file system they resume from, as tfpod's own checkpoints do.
 """
 
 from __future__ import annotations
@@ -17,7 +21,9 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import os
 import re
+import tempfile
 import weakref
 
 from tensorflow.experimental import dtensor
@@ -161,6 +167,44 @@ def _export(original):
     return export
 
 
+def _chief_writes(original):
+    """Model.save / save_weights on several hosts: every host gathers the weights (a collective),
+    host 0 alone writes the file (the others write a temporary copy they delete)."""
+
+    @functools.wraps(original)
+    def save(self, filepath, *args, **kwargs):
+        from tfpod.keras3 import backend
+
+        if not any(variables.on_mesh(v) for v in self.variables) or backend.process_id() == 0:
+            return original(self, filepath, *args, **kwargs)
+        with tempfile.TemporaryDirectory() as scratch:
+            return original(self, os.path.join(scratch, os.path.basename(str(filepath))), *args, **kwargs)
+
+    return save
+
+
+def _chief_backs_up(callback_class) -> None:
+    """keras.callbacks.BackupAndRestore on several hosts: host 0 writes and deletes the backup
+    (the others gather the weights with it and read the backup when they resume)."""
+    from tfpod.keras3 import backend
+
+    save, end = internals.backup_save_method(callback_class), callback_class.on_train_end
+
+    @functools.wraps(save)
+    def save_model(self):
+        if not any(variables.on_mesh(v) for v in self.model.variables) or backend.process_id() == 0:
+            return save(self)
+        self.model.save_weights(internals.backup_weights_path(self), overwrite=True)  # gathered, not kept
+
+    @functools.wraps(end)
+    def on_train_end(self, logs=None):
+        if not any(variables.on_mesh(v) for v in self.model.variables) or backend.process_id() == 0:
+            return end(self, logs)
+
+    internals.set_backup_save_method(callback_class, save_model)
+    callback_class.on_train_end = on_train_end
+
+
 def install() -> None:
     """Wraps the trainer methods above (once)."""
     if _ORIGINAL:
@@ -171,7 +215,12 @@ def install() -> None:
         owner = internals.base_trainer_class() if name == "compile" else trainer
         _ORIGINAL[name] = getattr(owner, name)
         setattr(owner, name, _wrap(name, _ORIGINAL[name]))
+    import keras
     from keras import Model
 
     _ORIGINAL["export"] = Model.export
     Model.export = _export(Model.export)
+    for name in ("save", "save_weights"):
+        _ORIGINAL[name] = getattr(Model, name)
+        setattr(Model, name, _chief_writes(_ORIGINAL[name]))
+    _chief_backs_up(keras.callbacks.BackupAndRestore)

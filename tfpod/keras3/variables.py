@@ -75,6 +75,14 @@ def _host_value(variable, value):
         return np.asarray(tf.cast(tf.convert_to_tensor(value), internals.dtype_of(variable)))
 
 
+def _check_seeded() -> None:
+    """On several hosts every host computes every initial value itself: only one seed makes them equal."""
+    if backend.num_processes() > 1 and internals.global_seed() is None:
+        raise UserError("keras.distribution on several hosts: every host computes the initial weights itself, so "
+                        "call keras.utils.set_random_seed(seed) with the same seed on every host before building "
+                        "the model")
+
+
 def make_dvariable(variable, distribution, value) -> None:
     """Makes a Keras variable's backend variable a DVariable of `value` in its layout under `distribution`."""
     if internals.shape_of(variable) is None:
@@ -109,6 +117,7 @@ def _initialize(self, value):
     if isinstance(value, tf.Variable):
         log.warning("keras.distribution: variable %r was given a tf.Variable on one device; it gets a copy on the "
                     "mesh (the tf.Variable itself is not updated)", self.path)
+    _check_seeded()
     make_dvariable(self, distribution, _host_value(self, value))
 
 
