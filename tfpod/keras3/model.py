@@ -79,7 +79,8 @@ def model_distribution(model, current=None):
 
 def adopt_state(model, distribution) -> None:
     """Moves optimizer and metric variables made outside the distribution onto its mesh."""
-    state = list(getattr(model.optimizer, "variables", []) or []) + list(model.metrics_variables)
+    optimizer = getattr(model, "optimizer", None)  # none before compile
+    state = list(getattr(optimizer, "variables", []) or []) + list(model.metrics_variables)
     moved = [v for v in state if internals.value_of(v) is not None and not variables.on_mesh(v)]
     for v in moved:
         variables.make_dvariable(v, distribution, v.numpy())

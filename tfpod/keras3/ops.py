@@ -179,7 +179,7 @@ def average_pool(inputs, pool_size, strides=None, padding="valid", data_format=N
 
 
 def rows_split_take(table: tf.Tensor, ids: tf.Tensor, layout: dtensor.Layout) -> tf.Tensor:
-    """table[ids] for a table [rows, width] split by rows over one mesh axis.
+    """table[ids] for a table [rows, width] split by rows over one mesh axis (`layout`, as it is computed with).
 
     The table is viewed as [S, rows / S, width] (S shards, one per device along the axis);
     the ids are repeated once per shard and made local ([S, *ids.shape], each shard's ids
@@ -187,8 +187,7 @@ def rows_split_take(table: tf.Tensor, ids: tf.Tensor, layout: dtensor.Layout) ->
     by another shard are zeroed, and the shards' results are summed: every id is owned by
     exactly one shard. The gradient is dense, [S, rows / S, width].
     """
-    axis = layout.sharding_specs[0]
-    mesh = layout.mesh
+    axis, mesh = layout.sharding_specs[0], layout.mesh
     shards = mesh.dim_size(axis)
     rows, width = table.shape
     per = rows // shards
@@ -207,10 +206,15 @@ def rows_split_take(table: tf.Tensor, ids: tf.Tensor, layout: dtensor.Layout) ->
 def _embedding_call(original):
     @functools.wraps(original)
     def call(self, inputs, *args, **kwargs):
+        from tfpod.keras3 import steps, variables
+
         table = internals.embedding_table(self)
-        layout = getattr(internals.value_of(table), "layout", None) if table is not None else None
-        if (_mesh() is None or not isinstance(layout, dtensor.Layout) or layout.sharding_specs[0] == dtensor.UNSHARDED
-                or args or kwargs or self.quantization_mode is not None):
+        stored = getattr(internals.value_of(table), "layout", None) if table is not None else None
+        if (_mesh() is None or not isinstance(stored, dtensor.Layout) or args or kwargs
+                or self.quantization_mode is not None):
+            return original(self, inputs, *args, **kwargs)
+        layout = variables.compute_layout(stored, steps.active_batch_axis())  # as the step reads the table
+        if layout.sharding_specs[0] == dtensor.UNSHARDED:
             return original(self, inputs, *args, **kwargs)
         out = rows_split_take(tf.convert_to_tensor(self.embeddings), inputs, layout)
         return tf.cast(out, self.compute_dtype)
@@ -239,11 +243,20 @@ def _normalization_build(original):
 
 
 def _dense_gradients(original):
+    """The optimizer's apply: sparse gradients made dense, and weights read as they are stored."""
+
     @functools.wraps(original)
     def apply(self, grads, trainable_variables=None):
-        if _mesh() is not None:
-            grads = [tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g for g in grads]
-        return original(self, grads, trainable_variables)
+        if _mesh() is None:
+            return original(self, grads, trainable_variables)
+        from tfpod.keras3 import variables
+
+        grads = [tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g for g in grads]
+        variables.UPDATING.append(True)
+        try:
+            return original(self, grads, trainable_variables)
+        finally:
+            variables.UPDATING.pop()
 
     return apply
 

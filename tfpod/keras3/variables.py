@@ -121,8 +121,40 @@ def _initialize(self, value):
     make_dvariable(self, distribution, _host_value(self, value))
 
 
+def compute_layout(layout: dtensor.Layout, batch_axis: str | None) -> dtensor.Layout:
+    """A weight's layout for computing with it: its storage layout less the batch axis.
+
+    A LayoutMap may split a weight over the batch axis too (KerasHub's maps do: fully
+    sharded storage); DTensor cannot contract two operands split over different axes
+    ("Contracting dimension for matmul has sharding dimension batch for the left input and
+    model for the right input"), so a step gathers such a weight over the batch axis where it
+    uses it, and its gradient arrives split as it is stored (a reduce-scatter), as XLA does
+    for the same layouts on JAX.
+    """
+    specs = [dtensor.UNSHARDED if s == batch_axis else s for s in layout.sharding_specs]
+    return dtensor.Layout(specs, layout.mesh)
+
+
+UPDATING: list = []  # set while the optimizer updates: it works on the stored layouts
+
+
+def _tf_tensor(self, dtype=None, name=None):
+    value = _ORIGINAL["__tf_tensor__"](self, dtype, name)
+    target = internals.value_of(self)
+    if UPDATING or not is_dvariable(target) or tf.executing_eagerly():
+        return value
+    from tfpod.keras3 import steps
+
+    batch_axis = steps.active_batch_axis()
+    if batch_axis is None or batch_axis not in target.layout.sharding_specs:
+        return value
+    return dtensor.relayout(value, compute_layout(target.layout, batch_axis))
+
+
 def _direct_assign(self, value):
     target = internals.value_of(self)
+    if is_dvariable(target) and not tf.executing_eagerly():
+        value = dtensor.relayout(tf.cast(value, target.dtype), target.layout)  # in a step: the stored layout
     if is_dvariable(target) and tf.executing_eagerly():
         layout = dtensor.fetch_layout(target)
         if isinstance(value, tf.Tensor) and dtensor.is_dtensor(value):
@@ -175,7 +207,7 @@ def install() -> None:
     if _ORIGINAL:
         return
     for name, function in (("_initialize", _initialize), ("_direct_assign", _direct_assign), ("numpy", _numpy),
-                           ("__array__", _array)):
+                           ("__array__", _array), ("__tf_tensor__", _tf_tensor)):
         _ORIGINAL[name] = getattr(cls, name)
         setattr(cls, name, function)
     seeds = internals.seed_generator_module()
