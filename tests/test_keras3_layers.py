@@ -129,3 +129,35 @@ def test_a_layer_dtensor_cannot_lay_out_is_named_in_one_line():
     with pytest.raises(UserError, match=r"layer 'recurrent' \(LSTM\) uses the op \w+, which DTensor cannot lay out "
                                         r"\(keras.distribution on TensorFlow\): .*unroll=True"):
         model.fit(tf.zeros((8, 5, 4)), tf.zeros((8, 1)), verbose=0)
+
+
+def test_a_step_that_fails_while_running_raises_instead_of_logging_zeros():
+    """A step that fails on the devices (here a NaN caught by tf.debugging.check_numerics) leaves
+    its outputs holding the error and nothing raises by itself: fit would log losses of 0.0 for
+    steps that changed nothing. The next step, or the end of the epoch, raises it. (In a process of
+    its own: a failed DTensor step leaves the runtime unusable.)"""
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+
+    script = """
+import numpy as np, tensorflow as tf, tfpod, keras
+class Checked(keras.layers.Layer):
+    def call(self, x):
+        return tf.debugging.check_numerics(x, "the input has a NaN")
+keras.distribution.initialize()
+keras.distribution.set_distribution(keras.distribution.DataParallel())
+inputs = keras.Input((4,))
+model = keras.Model(inputs, keras.layers.Dense(1)(Checked()(inputs)))
+model.compile(optimizer="sgd", loss="mse")
+x = np.ones((16, 4), "float32")
+x[3, 1] = np.nan
+try:
+    print("TRAINED", model.fit(x, np.zeros((16, 1)), batch_size=8, epochs=1, verbose=0).history)
+except tf.errors.OpError as e:
+    print("RAISED", type(e).__name__)
+"""
+    out = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                         env={**__import__("os").environ, "TFPOD_CPU_DEVICES": "8"})
+    assert "RAISED" in out.stdout and "TRAINED" not in out.stdout, (out.stdout + out.stderr)[-2000:]

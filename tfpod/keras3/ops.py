@@ -10,6 +10,9 @@ form DTensor lays out; elsewhere Keras's own functions run:
                          is gathered where it is used (its gradient is split back); its
                          input and output are split over the batch only, as those of
                          pooling and resizing (DTensor's kernels refuse other splits)
+  grouped conv           TensorFlow's CPU kernels have no grouped convolution (Keras compiles
+                         it with XLA, which a DTensor step does not): a depthwise convolution
+                         when each group is one channel, else one convolution per group
   depthwise_conv,        DTensor has no layout for DepthwiseConv2dNativeBackpropFilter:
   separable_conv         tfpod.fused.depthwise_conv2d (its own gradient), then the
                          pointwise convolution
@@ -149,6 +152,27 @@ def separable_conv(inputs, depthwise_kernel, pointwise_kernel, strides=1, paddin
                              data_format, 1)
 
 
+def conv(inputs, kernel, strides=1, padding="valid", data_format=None, dilation_rate=1):
+    """keras.ops.conv on the mesh: a grouped convolution (TensorFlow's CPU kernels have none; Keras
+    compiles it with XLA, which a DTensor step does not) as a depthwise convolution when every
+    group is one channel, else one convolution per group; others as Keras's, the kernel gathered."""
+    mesh = _mesh()
+    inputs = tf.convert_to_tensor(inputs)
+    channels = inputs.shape[-1] if _channels_last(data_format) else inputs.shape[1]
+    per_group = kernel.shape[-2]
+    if mesh is None or channels == per_group or inputs.shape.rank not in (3, 4):
+        return _ORIGINAL["conv_gathered"](inputs, kernel, strides, padding, data_format, dilation_rate)
+    kernel = _replicated(tf.convert_to_tensor(kernel), mesh)
+    groups, out = channels // per_group, kernel.shape[-1]
+    if per_group == 1:  # output channel o = c * m + j of group c: a depthwise multiplier m = out / channels
+        shape = kernel.shape.as_list()[:-2] + [channels, out // channels]
+        return depthwise_conv(inputs, tf.reshape(kernel, shape), strides, padding, data_format, dilation_rate)
+    axis = -1 if _channels_last(data_format) else 1
+    parts = [_ORIGINAL["conv_gathered"](x, k, strides, padding, data_format, dilation_rate)
+             for x, k in zip(tf.split(inputs, groups, axis=axis), tf.split(kernel, groups, axis=-1))]
+    return tf.concat(parts, axis=axis)
+
+
 def average_pool(inputs, pool_size, strides=None, padding="valid", data_format=None):
     """keras.ops.average_pool: tfpod.fused.avg_pool2d (1-D, 2-D) or a mean over a reshape (3-D) on the mesh."""
     mesh = _mesh()
@@ -268,7 +292,8 @@ def install() -> None:
     nn = internals.nn_module()
     for name in ("conv", "conv_transpose", "depthwise_conv", "separable_conv", "average_pool"):
         _ORIGINAL[name] = getattr(nn, name)
-    nn.conv = _gathering("conv", ("kernel",))
+    _ORIGINAL["conv_gathered"] = _gathering("conv", ("kernel",))
+    nn.conv = conv
     nn.conv_transpose = _gathering("conv_transpose", ("kernel",))
     nn.depthwise_conv, nn.separable_conv, nn.average_pool = depthwise_conv, separable_conv, average_pool
     image = internals.image_module()

@@ -59,8 +59,10 @@ def feeding(model, distribution):
     _ACTIVE.append(placer_for(model, distribution))
     try:
         yield
+        check_pending(model)
     finally:
         _ACTIVE.pop()
+        _PENDING.pop(id(model), None)
 
 
 def active_mesh() -> dtensor.Mesh | None:
@@ -145,14 +147,42 @@ def translate_error(model, error: Exception, step, batch) -> UserError | None:
     return None
 
 
+_PENDING: dict = {}  # model id -> (step, batch, outputs) of the step whose errors are not yet checked
+
+
+def check_pending(model=None) -> None:
+    """Raises the error of a dispatched step (of `model`, or of every model) that failed.
+
+    A DTensor step that fails while running (not while compiling) leaves its outputs holding
+    the error and the variables unchanged, and nothing raises: Keras would log zeros for a
+    training that does nothing. Each step's outputs are read after the next is dispatched
+    (one step stays queued), and the last at the end of the epoch.
+    """
+    keys = list(_PENDING) if model is None else [id(model)]
+    for key in keys:
+        if key not in _PENDING:
+            continue
+        owner, step, batch, outputs = _PENDING.pop(key)
+        leaves = [t for t in tf.nest.flatten(outputs) if isinstance(t, tf.Tensor)]
+        try:
+            if leaves:
+                leaves[0].numpy()
+        except tf.errors.OpError as e:
+            refusal = translate_error(owner, e, step, batch)
+            raise (refusal or e) from None
+
+
 def _run(model, step, batch):
     try:
-        return step(batch)
+        outputs = step(batch)
     except (tf.errors.UnknownError, tf.errors.UnimplementedError, tf.errors.InvalidArgumentError) as e:
         refusal = translate_error(model, e, step, batch)
         if refusal is None:
             raise
         raise refusal from None
+    check_pending(model)
+    _PENDING[id(model)] = (model, step, batch, outputs)
+    return outputs
 
 
 def make_function(self, step_function):
@@ -228,6 +258,10 @@ def _epoch_iterator_class():
             epoch_iterator.__init__(self, *args, **kwargs)
             self._distribute_strategy = distribute_strategy
             self._distributed_dataset = _PlacedBatches(self.data_adapter.get_tf_dataset(), _ACTIVE[-1])
+
+        def tf_sync(self):
+            super().tf_sync()
+            check_pending()
 
     MeshEpochIterator.__name__ = "TFEpochIterator"
     return MeshEpochIterator
