@@ -115,6 +115,7 @@ def test_the_guides_data_parallel_and_model_parallel_examples_train_with_one_dev
     assert slots["d1_kernel_momentum"] == slots["d1_kernel_velocity"] == [None, "model"]
     assert slots["iteration"] == slots["learning_rate"] == []
     assert kernel.numpy().shape == (784, 200)  # gathered
+    np.testing.assert_allclose(model(x[:4]), plain["predict"][:4], rtol=RTOL, atol=ATOL)  # an eager call
 
 
 class Subclassed(keras.Model):

@@ -26,6 +26,7 @@ import re
 import tempfile
 import weakref
 
+import numpy as np
 from tensorflow.experimental import dtensor
 
 from tfpod import UserError
@@ -132,6 +133,41 @@ def _wrap(name: str, original):
     return method
 
 
+def _eager_call(original):
+    """`model(x)` outside a step, on a model on the mesh: host inputs replicated onto its mesh
+    (every device computes the whole batch: the outputs are replicated DTensors, whose
+    `numpy()` is the whole output), run inside its distribution."""
+
+    @functools.wraps(original)
+    def __call__(self, *args, **kwargs):
+        import tensorflow as tf
+
+        if (not tf.executing_eagerly() or steps.active_mesh() is not None
+                or not any(variables.on_mesh(v) for v in self.variables)):
+            return original(self, *args, **kwargs)
+        distribution = model_distribution(self)
+        mesh = distribution.device_mesh.backend_mesh
+
+        def replicated(x):  # host arrays and tensors (not KerasTensors, not DTensors)
+            if not (isinstance(x, np.ndarray) or isinstance(x, tf.Tensor) and not dtensor.is_dtensor(x)):
+                return x
+            from tfpod.keras3 import placement
+
+            value = np.asarray(x)
+            return placement.place(value, dtensor.Layout.replicated(mesh, value.ndim))
+
+        def whole(y):  # an output a LayoutMap relaid out ("d2/output"), replicated again
+            if isinstance(y, tf.Tensor) and dtensor.is_dtensor(y):
+                return dtensor.relayout(y, dtensor.Layout.replicated(mesh, y.shape.rank))
+            return y
+
+        args, kwargs = tf.nest.map_structure(replicated, (args, kwargs))
+        with distribution.scope():
+            return tf.nest.map_structure(whole, original(self, *args, **kwargs))
+
+    return __call__
+
+
 @contextlib.contextmanager
 def unsharded(model):
     """Within the block every variable of `model` is a plain tf.Variable holding its gathered
@@ -221,6 +257,8 @@ def install() -> None:
 
     _ORIGINAL["export"] = Model.export
     Model.export = _export(Model.export)
+    _ORIGINAL["__call__"] = Model.__call__
+    Model.__call__ = _eager_call(Model.__call__)
     for name in ("save", "save_weights"):
         _ORIGINAL[name] = getattr(Model, name)
         setattr(Model, name, _chief_writes(_ORIGINAL[name]))
