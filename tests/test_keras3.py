@@ -13,6 +13,7 @@ import tensorflow as tf
 from tensorflow.experimental import dtensor
 
 import tfpod  # noqa: F401  (backs keras.distribution once keras is imported)
+import tfpod.keras3.placement  # noqa: F401
 
 keras = pytest.importorskip("keras")
 from tfpod import UserError  # noqa: E402
@@ -195,6 +196,11 @@ def test_nothing_runs_unsharded_without_a_word():
         keras.Sequential([keras.Input((4,)), keras.layers.Dense(6, name="d")])
     with pytest.raises(UserError, match=r"variable 'sequential_2/e/kernel' of shape \(4, 4\) was given a layout of rank 1"):
         keras.Sequential([keras.Input((4,)), keras.layers.Dense(4, name="e")])
+
+    placed = keras.distribution.distribute_tensor(np.arange(32.0).reshape(8, 4),
+                                                  keras.distribution.TensorLayout(("batch", "model"), mesh))
+    assert dtensor.fetch_layout(placed).sharding_specs == ["batch", "model"]
+    np.testing.assert_array_equal(tfpod.keras3.placement.gather(placed), np.arange(32.0).reshape(8, 4))
 
     keras.distribution.set_distribution(None)
     with pytest.raises(UserError, match=r"tfpod.keras.unsharded: the Sequential 'sequential' is a Keras 3 object .*"
