@@ -149,10 +149,11 @@ def table(rows: list[dict]) -> str:
         return f"{r['result']}: {r.get('message', '')}".replace("|", "/")
 
     lines = ["| model | parameters | input | " + " | ".join(MESHES) + " |", "|---|---|---|" + "---|" * len(MESHES)]
-    for name, by_mesh in sorted(models.items()):
-        first = next(iter(by_mesh.values()))
+    for name in sorted(set(FAMILIES) | set(models)):  # every family: "not run" where no row says otherwise
+        by_mesh = models.get(name, {})
+        size = SIZES.get(name, 32)
         params = next((r["params"] for r in by_mesh.values() if "params" in r), None)
-        lines.append(f"| {name} | {f'{params / 1e6:.1f}M' if params else ''} | {first['input']}x{first['input']} | "
+        lines.append(f"| {name} | {f'{params / 1e6:.1f}M' if params else ''} | {size}x{size} | "
                      + " | ".join(cell(by_mesh.get(m)) for m in MESHES) + " |")
     return "\n".join(lines) + "\n"
 
