@@ -50,7 +50,8 @@ def build(name: str, size: int):
 def _largest(a_list, b_list) -> float:
     import numpy as np
 
-    return max(float(np.abs(np.asarray(a, np.float64) - np.asarray(b, np.float64)).max()) for a, b in zip(a_list, b_list))
+    return max(float(np.abs(np.asarray(a, np.float64) - np.asarray(b, np.float64)).max())
+               for a, b in zip(a_list, b_list))
 
 
 def distribution_for(mesh_spec: str, plain_model):

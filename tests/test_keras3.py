@@ -191,10 +191,12 @@ def test_nothing_runs_unsharded_without_a_word():
     layout_map[".*/d/kernel"] = (None, "model")   # 6 columns over 4
     layout_map[".*/e/kernel"] = ("model",)        # rank 1 for a rank-2 kernel
     keras.distribution.set_distribution(keras.distribution.ModelParallel(layout_map=layout_map))
-    with pytest.raises(UserError, match=r"variable 'sequential_1/d/kernel' of shape \(4, 6\): dimension 1 \(6\) does not divide "
+    with pytest.raises(UserError, match=r"variable 'sequential_1/d/kernel' of shape \(4, 6\): dimension 1 \(6\) does "
+                                        r"not divide "
                                         r"over mesh axis 'model' of size 4"):
         keras.Sequential([keras.Input((4,)), keras.layers.Dense(6, name="d")])
-    with pytest.raises(UserError, match=r"variable 'sequential_2/e/kernel' of shape \(4, 4\) was given a layout of rank 1"):
+    with pytest.raises(UserError, match=r"variable 'sequential_2/e/kernel' of shape \(4, 4\) was given a layout of "
+                                        r"rank 1"):
         keras.Sequential([keras.Input((4,)), keras.layers.Dense(4, name="e")])
 
     placed = keras.distribution.distribute_tensor(np.arange(32.0).reshape(8, 4),
@@ -206,7 +208,8 @@ def test_nothing_runs_unsharded_without_a_word():
     with pytest.raises(UserError, match=r"tfpod.keras.unsharded: the Sequential 'sequential' is a Keras 3 object .*"
                                         r"keras.distribution.set_distribution"):
         tfpod.keras.unsharded(plain)
-    with pytest.raises(UserError, match=r"the Keras 3 variable 'sequential_3/dense/kernel' is made inside tfpod.sharding.*Keras 3 "
+    with pytest.raises(UserError, match=r"the Keras 3 variable 'sequential_3/dense/kernel' is made inside "
+                                        r"tfpod.sharding.*Keras 3 "
                                         r"model \(import keras\) use Keras's own distribution API"):
         with tfpod.sharding(tfpod.make_mesh("data:-1,model:2")):
             keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])

@@ -20,18 +20,12 @@ layouts and relayouts; on TensorFlow that module is a prototype ("DO NOT USE",
 
 from __future__ import annotations
 
-import logging
-import os
-
 import numpy as np
 import tensorflow as tf
 from tensorflow.experimental import dtensor
 
 from tfpod import UserError, runtime
 from tfpod.keras3 import internals, placement
-
-log = logging.getLogger("tfpod")
-
 
 def _runtime() -> runtime.RuntimeInfo:
     """tfpod's runtime, started on first use (logical CPU devices from $TFPOD_CPU_DEVICES,
@@ -183,4 +177,3 @@ def install() -> None:
     module = internals.backend_distribution_lib()
     for name, function in FUNCTIONS.items():
         setattr(module, name, function)
-    os.environ.setdefault("TFPOD_KERAS3", "1")

@@ -57,9 +57,6 @@ def base_epoch_iterator_class():
     return _module("keras.src.trainers.epoch_iterator").EpochIterator
 
 
-def unpack_x_y_sample_weight(data):
-    return _module("keras.src.trainers.data_adapters.data_adapter_utils").unpack_x_y_sample_weight(data)
-
 
 def global_seed() -> int | None:
     """The seed `keras.utils.set_random_seed` set (None: none was)."""
@@ -96,10 +93,6 @@ def dtype_of(variable) -> str:
     return variable._dtype
 
 
-def layout_of(variable):
-    """The `keras.distribution.TensorLayout` (or backend layout) a variable was given, or None."""
-    return variable._layout
-
 
 def set_layout_of(variable, layout) -> None:
     variable._layout = layout
@@ -114,21 +107,12 @@ def flatten_layers(model) -> list:
     return list(model._flatten_layers(include_self=False)) + [model]
 
 
-def compiled(model) -> bool:
-    return bool(getattr(model, "compiled", False))
-
 
 def reset_compiled_functions(model) -> None:
     """Drops a model's traced train/test/predict functions (they hold the variables they captured)."""
     model.train_function = model.test_function = model.predict_function = None
 
 
-def jit_compile_of(model) -> bool:
-    return bool(model.jit_compile)
-
-
-def steps_per_execution_of(model) -> int:
-    return int(model.steps_per_execution)
 
 
 def seed_generator_module():

@@ -59,7 +59,8 @@ def model_distribution(model, current=None):
     name = f"model {model.name!r}"
     if placed and plain:
         raise UserError(f"{name}: variables {_names(plain)} are on one device and {_names(placed)} on the mesh: build "
-                        "the whole model after keras.distribution.set_distribution(...) (or inside distribution.scope())")
+                        "the whole model after keras.distribution.set_distribution(...) (or inside "
+                        "distribution.scope())")
     if plain and current is not None:
         raise UserError(f"{name} was built before the distribution was set: its variables ({_names(plain)}) are on "
                         f"one device, and it would train unsharded under {current}: build it after "
