@@ -213,3 +213,17 @@ def test_nothing_runs_unsharded_without_a_word():
                                         r"model \(import keras\) use Keras's own distribution API"):
         with tfpod.sharding(tfpod.make_mesh("data:-1,model:2")):
             keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
+
+
+def test_keras_imported_before_tfpod_is_backed_too():
+    """`import keras` then `import tfpod` backs keras.distribution as the other order does."""
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+
+    script = ("import keras, tfpod, tfpod.keras3; "
+              "from keras.src.backend.tensorflow import distribution_lib as d; "
+              "print(tfpod.keras3.installed(), d.distribute_value.__module__)")
+    out = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert out.stdout.split() == ["True", "tfpod.keras3.backend"], out.stderr[-2000:]
