@@ -65,6 +65,16 @@ def _branches():
     t = L.Bidirectional(L.GRU(3, unroll=True))(t)
     tokens_out = t
 
+    def block(h, dim, name):  # ConvNeXt's: grouped 7x7 convolution, two Dense layers, a residual sum
+        r = L.LayerNormalization()(L.Conv2D(dim, 7, padding="same", groups=dim, name=f"{name}_dw")(h))
+        r = L.Dense(dim, name=f"{name}_pw2")(L.Dense(4 * dim, activation="gelu", name=f"{name}_pw1")(r))
+        return L.Add()([h, r])
+
+    stages = keras.Input((8, 8, 3))
+    s = block(L.Conv2D(16, 2, strides=2)(stages), 16, "b0")  # b0_pw2 split: the sum is split over model
+    s = block(L.Conv2D(32, 2, strides=2)(L.LayerNormalization()(s)), 32, "b1")
+    stages_out = L.GlobalAveragePooling2D()(s)
+
     features = keras.Input((6,))
     f = L.Normalization(mean=0.5, variance=2.0)(features)
     f = L.EinsumDense("ab,bc->ac", output_shape=8, name="einsum")(f)
@@ -73,7 +83,7 @@ def _branches():
     f = L.GaussianNoise(0.1)(f)
     f = L.Dropout(0.2)(f)
     features_out = L.UnitNormalization()(f)
-    return [image, volume, tokens, features], [image_out, volume_out, tokens_out, features_out]
+    return [image, volume, tokens, features, stages], [image_out, volume_out, tokens_out, features_out, stages_out]
 
 
 def _model():
@@ -85,7 +95,7 @@ def _model():
 def _data():
     rng = np.random.RandomState(0)
     x = [rng.normal(size=(16, 8, 8, 4)), rng.normal(size=(16, 4, 4, 4, 2)), rng.randint(0, 16, size=(16, 6)),
-         rng.normal(size=(16, 6))]
+         rng.normal(size=(16, 6)), rng.normal(size=(16, 8, 8, 3))]
     x = [a.astype("int32" if a.dtype.kind == "i" else "float32") for a in x]
     return x, rng.normal(size=(16, 3)).astype("float32")
 
@@ -107,7 +117,7 @@ def test_every_listed_layer_trains_split_with_one_devices_losses():
                       "deconv/kernel": (None, None, "model", None), "embed/embeddings": ("model", None),
                       "mha/(query|key|value)/kernel": (None, "model", None),
                       "mha/attention_output/kernel": ("model", None, None), "conv1d/kernel": (None, None, "model"),
-                      "einsum/kernel": (None, "model")}.items():
+                      "einsum/kernel": (None, "model"), "b0_pw2/kernel": (None, "model")}.items():
         layout_map[key] = axes
     keras.distribution.set_distribution(keras.distribution.ModelParallel(layout_map=layout_map))
     model, loss, pred, weights = _fit()

@@ -54,15 +54,25 @@ def _replicated(x, mesh):
 
 
 def _batch_only(x, mesh):
-    """`x` split over the batch axis only (its other dimensions whole on each device), or replicated
-    when its batch does not divide: the layout tfpod.fused's padded kernels need."""
+    """An activation split over the batch axis only (its other dimensions whole on each device), or
+    replicated when its batch does not divide: the layout tfpod.fused's padded kernels need."""
     from tfpod.keras3 import steps
 
     axis = steps.active_batch_axis()
     specs = [dtensor.UNSHARDED] * x.shape.rank
     if axis in mesh.dim_names and x.shape[0] is not None and x.shape[0] % mesh.dim_size(axis) == 0:
         specs[0] = axis
-    return dtensor.relayout(x, dtensor.Layout(specs, mesh))
+    layout = dtensor.Layout(specs, mesh)
+
+    # The gradient is split over the batch only too (the kernels' gradients need it so), not laid
+    # out like the input as DTensor's own (RelayoutLike) would: that fails after a residual sum of
+    # activations split otherwise ("output layout of Relayout op after layout propagation does
+    # not match"); DTensor lays it out as the layers before need.
+    @tf.custom_gradient
+    def relaid(x):
+        return dtensor.relayout(x, layout), lambda dy: dtensor.relayout(dy, layout)
+
+    return relaid(x)
 
 
 def _gathering(name: str, kernels: tuple[str, ...]):
