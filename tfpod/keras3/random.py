@@ -67,9 +67,10 @@ def dropout(inputs, rate, noise_shape=None, seed=None):
     else:
         shape = internals.concrete_noise_shape(inputs, noise_shape)
     # As tf.nn.experimental.stateless_dropout: x * (1 / keep), zero where uniform < rate.
-    kept = inputs * tf.cast(1.0 / (1.0 - rate), inputs.dtype)
+    # (Python numbers made tensors in the inputs' dtype directly: tf.cast would round them to float32 first.)
+    kept = inputs * tf.constant(1.0 / (1.0 - rate), inputs.dtype)
     uniform = _replicated(tf.random.stateless_uniform(shape, seed=seed, dtype=inputs.dtype), mesh)
-    return tf.where(uniform >= tf.cast(rate, inputs.dtype), kept, tf.zeros([], inputs.dtype))
+    return tf.where(uniform >= tf.constant(rate, inputs.dtype), kept, tf.zeros([], inputs.dtype))
 
 
 def install() -> None:
