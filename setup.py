@@ -11,7 +11,7 @@ setup(
     version="0.1.0",
     description="Multi-host, multi-accelerator training with TensorFlow DTensor",
     python_requires=">=3.10,<3.13",
-    packages=["tfpod", "tfpod.keras", "tfpod.compat", "tfpod.partitioning", "tfpod.partitioning.presets", "tfpod.pipeline", "tfpod.convert", "tfpod.doctor", "tfpod.plan", "tfpod.embedding", "tfpod.input", "tfpod.models", "tfpod.gin"],
+    packages=["tfpod", "tfpod.keras", "tfpod.keras3", "tfpod.compat", "tfpod.partitioning", "tfpod.partitioning.presets", "tfpod.pipeline", "tfpod.convert", "tfpod.doctor", "tfpod.plan", "tfpod.embedding", "tfpod.input", "tfpod.models", "tfpod.gin"],
     package_dir={"tfpod": "tfpod", "tfpod.input": "input", "tfpod.models": "models", "tfpod.gin": "gin"},
     package_data={"tfpod.gin": ["*.gin", "*/*.gin"]},
     install_requires=[
@@ -30,8 +30,10 @@ setup(
     # transformers 4.44 (the last with TF classes reading PyTorch-named safetensors, with safetensors 0.4):
     # the tests check imports and exports against its own TFGPT2LMHeadModel and TFBertForPreTraining.
     # kubernetes-validate: the Kubernetes manifests are validated against the Kubernetes API schema offline.
+    # keras-hub 0.29 (Keras 3's Llama and Gemma, sharded by tfpod/keras3 in the tests): 0.30+ pins kagglesdk==0.1.28,
+    # which tf-models-official's kaggle (kagglesdk>=0.1.38) refuses.
     extras_require={"test": ["pytest>=8", "pytest-xdist>=3", "tensorflow-serving-api==2.20.*", "transformers==4.44.*",
-                             "safetensors==0.4.*", "kubernetes-validate>=1.30",
+                             "safetensors==0.4.*", "kubernetes-validate>=1.30", "keras-hub==0.29.*",
                              "tensorflow-recommenders==0.7.7"]},
     entry_points={"console_scripts": ["tfpod=tfpod.main:console_main", "tfpod-launch=tfpod.launch:console_main",
                                       "tfpod-doctor=tfpod.doctor.__main__:console_main"]},

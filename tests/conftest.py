@@ -47,7 +47,8 @@ def pytest_configure(config):
 # (xdist's own order, by number of tests, left a long file running alone at the end).
 SLOWEST_FIRST = ["test_pipeline", "test_context", "test_reliability", "test_attention_models", "test_ssd",
                  "test_run_folder", "test_async_checkpoint",
-                 "test_convert", "test_keras", "test_dlrm", "test_multihost", "test_input", "test_export", "test_lora", "test_bert",
+                 "test_convert", "test_keras", "test_keras3", "test_keras3_layers", "test_keras3_hosts", "test_dlrm", "test_multihost",
+                 "test_input", "test_export", "test_lora", "test_bert",
                  "test_train", "test_eval", "test_plan", "test_resnet", "test_keras_layers", "test_presets",
                  "test_generation", "test_moe", "test_main", "test_transformer", "test_sharding", "test_text",
                  "test_pretrained_input"]

@@ -18,7 +18,7 @@ FOLDERS = {"tfpod": "tfpod", "input": "tfpod.input", "models": "tfpod.models"}
 LAYERS = [
     {"entry points": ("tfpod.main", "tfpod.launch", "tfpod.config_doc", "tfpod.convert", "tfpod.doctor")},
     {"run API and config": ("tfpod.api", "tfpod.config", "tfpod.export"),
-     "Keras front end": ("tfpod.keras",)},
+     "Keras front end": ("tfpod.keras", "tfpod.keras3")},
     {"controller and its actions": ("tfpod.controller", "tfpod.actions", "tfpod.nonfinite", "tfpod.feeding", "tfpod.input_position",
                                     "tfpod.metrics_writer", "tfpod.goodput", "tfpod.checkpoint", "tfpod.watchdog", "tfpod.faults",
                                     "tfpod.memory_checkpoint", "tfpod.peer_link",
@@ -111,9 +111,12 @@ def test_imports_go_down_the_layers_the_readme_draws():
 
 def test_the_keras_front_end_is_used_by_nothing_inside_tfpod():
     known = _modules()
-    users = {n for n, p in known.items() if not n.startswith("tfpod.keras")
+    users = {n for n, p in known.items() if not n.startswith("tfpod.keras") and n != "tfpod"
              and any(t.startswith("tfpod.keras") for t in _imports(n, p, known))}
     assert users == set()
+    # The package root installs the Keras 3 backing once keras is imported (tfpod/__init__.py), nothing else.
+    root = {t for t in _imports("tfpod", known["tfpod"], known) if t.startswith("tfpod.keras")}
+    assert root <= {"tfpod.keras3"}, root
 
 
 def test_input_and_models_are_visible_in_the_tree_as_tfpod_subpackages():

@@ -59,6 +59,63 @@ def check_positive(config, prefix: str, fields) -> None:
             raise UserError(f"{prefix}.{field}={getattr(config, field)} must be positive")
 
 
+def _back_keras3() -> None:
+    """Keras 3 (`import keras`; tf.keras is tf_keras) gets its `keras.distribution` API backed
+    by tfpod's DTensor (tfpod.keras3) once both are imported, in either order."""
+    import importlib.abc
+    import importlib.util
+    import sys
+
+    def install():
+        import logging
+
+        from tfpod import keras3
+
+        try:
+            keras3.install()
+        except UserError as e:
+            logging.getLogger("tfpod").warning("tfpod does not back keras.distribution: %s", e)
+
+    if "keras" in sys.modules:
+        install()
+        return
+
+    class Loader(importlib.abc.Loader):
+        def __init__(self, loader):
+            self._loader = loader
+
+        def create_module(self, spec):
+            return self._loader.create_module(spec)
+
+        def exec_module(self, module):
+            self._loader.exec_module(module)
+            if finder in sys.meta_path:
+                sys.meta_path.remove(finder)
+            install()
+
+    class Finder(importlib.abc.MetaPathFinder):
+        """Wraps keras's loader in every spec found for it (TensorFlow looks keras up without importing it)."""
+
+        def find_spec(self, name, path, target=None):
+            if name != "keras":
+                return None
+            index = sys.meta_path.index(self)
+            sys.meta_path.remove(self)
+            try:
+                spec = importlib.util.find_spec(name)
+            finally:
+                sys.meta_path.insert(index, self)
+            if spec is not None and spec.loader is not None:
+                spec.loader = Loader(spec.loader)
+            return spec
+
+    finder = Finder()
+    sys.meta_path.insert(0, finder)
+
+
+_back_keras3()
+
+
 # Public names, imported on first use so `import tfpod` stays free of TensorFlow:
 #   tfpod.make_mesh("data:-1,model:2")         -> tfpod.mesh.make_mesh
 #   with tfpod.sharding(mesh, rules=...): ...  -> tfpod.keras.sharding (a user's Keras model, sharded)

@@ -8,6 +8,7 @@ import tensorflow as tf
 import tf_keras
 
 from tfpod import UserError, checkpoint as checkpointlib, compat
+from tfpod.keras import support
 from tfpod.train_state import TrainState
 
 log = logging.getLogger("tfpod")
@@ -72,6 +73,7 @@ class Checkpoint(tf_keras.callbacks.Callback):
 
     def on_train_begin(self, logs=None):
         model = self.model
+        support.refuse_keras3(model, "tfpod.keras.Checkpoint")
         optimizer = model.optimizer
         if optimizer is None:
             raise UserError("tfpod.keras.Checkpoint: compile the model before fit")

@@ -104,6 +104,7 @@ def mesh_optimizer(optimizer, model, mesh: dtensor.Mesh):
       model: the built model (its trainable variables get the slots).
       mesh: the mesh.
     """
+    support.refuse_keras3([optimizer, model], "tfpod.keras.mesh_optimizer")
     optimizer = _on_mesh(optimizer, model, mesh)
     optimizer._tfpod_dense_gradients = True
     return optimizer

@@ -20,6 +20,7 @@ import tensorflow as tf
 import tf_keras
 
 from tfpod import UserError, compat
+from tfpod.keras import support
 from tfpod.keras.layout_map import in_scope
 
 
@@ -64,6 +65,7 @@ def unsharded(model) -> tf_keras.Model:
     weights through `get_weights` (gathered from every device). Raises UserError in one line
     when the model cannot be made again from its config.
     """
+    support.refuse_keras3(model, "tfpod.keras.unsharded")
     if in_scope():
         raise UserError(f"model {model.name!r}: make its unsharded copy outside `with tfpod.sharding(...)` (inside "
                         "it, the copy's variables would be placed on the mesh again)")
@@ -77,8 +79,6 @@ def unsharded(model) -> tf_keras.Model:
             "plain = MyModel(...); plain(batch); plain.set_weights(model.get_weights()); plain.save(path)"
         ) from None
     if not plain.built:  # a subclassed model: built on the inputs the sharded one saw
-        from tfpod.keras import support
-
         spec = support.input_spec(model)
         if spec is None:
             raise UserError(f"model {model.name!r}: its input shapes are not known, so its unsharded copy cannot be "

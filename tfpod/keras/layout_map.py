@@ -17,6 +17,7 @@ from tensorflow.experimental import dtensor
 from tfpod import UserError, compat
 from tfpod import partitioning as shardinglib
 from tfpod.attention import AttentionConfig
+from tfpod.keras import support
 
 log = logging.getLogger("tfpod")
 
@@ -223,6 +224,7 @@ def sharding(mesh: dtensor.Mesh, rules=None, *, preset: str = "tensor",
 
 def layout_of(variable) -> dtensor.Layout:
     """The DTensor layout of a (sharded) model variable."""
+    support.refuse_keras3(variable, "tfpod.keras.layout_of")
     return dtensor.fetch_layout(compat.inner_variable(variable))
 
 
@@ -233,6 +235,8 @@ def get_values(variables) -> list:
     fails), so the sharded model's `get_weights` goes through here; it works on
     every host of a multi-host job.
     """
+    variables = list(variables)
+    support.refuse_keras3(variables, "tfpod.keras.get_values")
     out = []
     for v in variables:
         inner = compat.inner_variable(v)
@@ -247,6 +251,7 @@ def get_values(variables) -> list:
 def set_values(variables, values) -> None:
     """Assigns host values to (sharded) DVariables, each relaid out to its variable's layout."""
     variables = list(variables)
+    support.refuse_keras3(variables, "tfpod.keras.set_values")
     values = list(values)
     if len(values) != len(variables):
         raise UserError(f"set_weights: got {len(values)} values for {len(variables)} weights")

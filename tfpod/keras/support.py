@@ -185,3 +185,20 @@ def translate(error: Exception, model_name: str) -> UserError | None:
                               "(docs/keras.md lists what trains sharded)")
     return UserError(f"model {model_name!r}: the op {op} in its train step cannot be laid out by DTensor "
                      f"(found when the step compiled): {fix}")
+
+
+def keras3_refusal(what: str, how: str) -> str:
+    """The one line for a Keras 3 object given to this (tf_keras) front end: the Keras 3 path."""
+    return (f"{what} {how}, but tfpod.sharding and tfpod.keras serve tf_keras (Keras 2) models: for a Keras 3 model "
+            "(import keras) use Keras's own distribution API, which tfpod backs on TensorFlow: "
+            "keras.distribution.set_distribution(keras.distribution.ModelParallel(layout_map=...)) before building it, "
+            "then compile and fit as usual (docs/keras.md, 'Keras 3')")
+
+
+def refuse_keras3(obj, where: str) -> None:
+    """One UserError line when `obj` (a model, layer, variable or optimizer) is a Keras 3 object."""
+    for item in obj if isinstance(obj, (list, tuple)) else [obj]:
+        if type(item).__module__.split(".")[0] == "keras":
+            name = getattr(item, "path", None) or getattr(item, "name", "")
+            raise UserError(keras3_refusal(f"{where}: the {type(item).__name__} {name!r} is a Keras 3 object",
+                                           "(keras, not tf_keras)"))
