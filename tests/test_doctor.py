@@ -142,14 +142,19 @@ def test_a_host_that_dies_before_the_collective_fails_it_on_the_other():
     ports = free_ports(2)
     procs = [subprocess.Popen(doctor_command(*TINY), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                               text=True, env=host_env(h, ports, 4)) for h in (0, 1)]
-    seen = []
-    for line in procs[1].stdout:  # host 1 dies once it has seen the devices, before the all-reduce
-        seen.append(line)
-        if "devices:" in line:
-            procs[1].send_signal(signal.SIGKILL)
-            break
+    # Host 1 dies once both hosts have seen the devices (their counts are exchanged: killed
+    # before host 0 has its count, host 0 may be ended by TensorFlow's coordination service
+    # without a line), before the all-reduce, whose tracing takes host 0 longer than the kill.
+    seen, first = [], []
+    for proc, read in ((procs[1], seen), (procs[0], first)):
+        for line in proc.stdout:
+            read.append(line)
+            if "devices:" in line:
+                break
+    procs[1].send_signal(signal.SIGKILL)
     procs[1].wait(timeout=60)
-    out, err = procs[0].communicate(timeout=300)
+    rest, err = procs[0].communicate(timeout=300)
+    out = "".join(first) + rest
     assert procs[0].returncode == 1, out + err[-3000:]
     found = lines(out)
     assert found["devices"].startswith("[host 0] ok"), seen
