@@ -155,3 +155,15 @@ def fresh_keras_state():
 
     tf_keras.backend.clear_session()
     yield
+
+
+@pytest.fixture
+def no_keras3_distribution():
+    """Keras 3 tests (`pytestmark = pytest.mark.usefixtures("no_keras3_distribution")`): each
+    starts and ends with no keras.distribution set and Keras's state cleared."""
+    import keras
+
+    keras.distribution.set_distribution(None)
+    keras.backend.clear_session()
+    yield
+    keras.distribution.set_distribution(None)

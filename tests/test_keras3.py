@@ -21,13 +21,7 @@ from tfpod import UserError  # noqa: E402
 RTOL, ATOL = 2e-5, 2e-6
 
 
-@pytest.fixture(autouse=True)
-def no_distribution():
-    """Each test starts and ends with no distribution set and Keras's state cleared."""
-    keras.distribution.set_distribution(None)
-    keras.backend.clear_session()
-    yield
-    keras.distribution.set_distribution(None)
+pytestmark = pytest.mark.usefixtures("no_keras3_distribution")
 
 
 def _layout(variable) -> list:

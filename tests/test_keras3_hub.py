@@ -20,12 +20,7 @@ keras = pytest.importorskip("keras")
 keras_hub = pytest.importorskip("keras_hub")
 
 
-@pytest.fixture(autouse=True)
-def no_distribution():
-    keras.distribution.set_distribution(None)
-    keras.backend.clear_session()
-    yield
-    keras.distribution.set_distribution(None)
+pytestmark = pytest.mark.usefixtures("no_keras3_distribution")
 
 
 class DenseAdam(keras.optimizers.Adam):

@@ -21,12 +21,7 @@ from tfpod import UserError  # noqa: E402
 L = keras.layers
 
 
-@pytest.fixture(autouse=True)
-def no_distribution():
-    keras.distribution.set_distribution(None)
-    keras.backend.clear_session()
-    yield
-    keras.distribution.set_distribution(None)
+pytestmark = pytest.mark.usefixtures("no_keras3_distribution")
 
 
 def _branches():
