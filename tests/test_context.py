@@ -34,18 +34,17 @@ def test_the_balanced_order_gives_each_device_a_chunk_from_each_end():
 
 def test_context_meshes_give_data_parallel_losses_at_4096_tokens(tmp_path):
     """A 1-layer GPT at 4,096 tokens with packed documents (segments crossing the chunks'
-    boundaries) trains data:8's losses (relative 1e-5, fp32) on `context:4,data:2` with
-    recomputation and 2 microbatches, and on `context:2,model:2,data:2` with the `2d` preset
-    (Megatron's heads and MLP over `model`, weights' embed dimension over `data`)."""
+    boundaries) trains data:8's losses (relative 1e-5, fp32) on `context:2,model:2,data:2`
+    with the `2d` preset (Megatron's heads and MLP over `model`, weights' embed dimension over
+    `data`), recomputation and 2 microbatches. (`context:4`: the checkpoint test below.)"""
     out = {}
-    for spec, params in (("data:8", []), ("context:4,data:2", ["gpt.remat=True", "train.microbatches=2"]),
-                         ("context:2,model:2,data:2", ["sharding.preset='2d'"])):
+    for spec, params in (("data:8", []), ("context:2,model:2,data:2", ["sharding.preset='2d'", "gpt.remat=True",
+                                                                            "train.microbatches=2"])):
         model_dir = tmp_path / spec.replace(":", "").replace(",", "_")
         out[spec] = run(["gin/lm_tiny.gin"], LONG + params, str(model_dir), mesh_spec=spec)["losses"]
     assert len(out["data:8"]) == 2
-    for spec in ("context:4,data:2", "context:2,model:2,data:2"):
-        np.testing.assert_allclose(out[spec], out["data:8"], rtol=1e-5, err_msg=spec)
-    assert "on mesh context:4,data:2" in (tmp_path / "context4_data2" / "layouts.txt").read_text()
+    np.testing.assert_allclose(out["context:2,model:2,data:2"], out["data:8"], rtol=1e-5)
+    assert "on mesh context:2,model:2,data:2" in (tmp_path / "context2_model2_data2" / "layouts.txt").read_text()
 
 
 def test_checkpoints_move_between_meshes_with_and_without_context_and_resume_exactly(tmp_path):
