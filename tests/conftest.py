@@ -89,6 +89,23 @@ def run_module(module: str, *args, timeout=600, env=None) -> subprocess.Complete
                           timeout=timeout, env=console.child_env(env))
 
 
+def application_row(bench: str, *args, timeout: int) -> dict:
+    """One model's row of an applications bench (`bench/BENCH --one=...`, in a process of its
+    own), appended to the file TFPOD_APPLICATIONS_RESULTS names (the rows its docs table is made from)."""
+    import json
+
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "bench", bench), *args], capture_output=True, text=True,
+                          cwd=ROOT, timeout=timeout)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
+    assert lines, proc.stderr[-3000:]
+    row = json.loads(lines[-1])
+    results = os.environ.get("TFPOD_APPLICATIONS_RESULTS")
+    if results:
+        with open(results, "a") as f:
+            f.write(json.dumps(row) + "\n")
+    return row
+
+
 def launch_command(num_hosts: int, devices_per_host: int, *main_args) -> list[str]:
     """The command of `python -m tfpod.launch` running main.py with `main_args` on local hosts."""
     return [sys.executable, "-m", "tfpod.launch", f"--num_hosts={num_hosts}", f"--devices_per_host={devices_per_host}",

@@ -15,14 +15,12 @@ layers they are built from (tests/test_keras3_layers.py). Run it, and regenerate
     python bench/keras3_applications.py --results=rows.jsonl --table=docs/keras3_applications.md
 """
 
-import json
 import os
-import subprocess
 import sys
 
 import pytest
 
-from conftest import ROOT
+from conftest import ROOT, application_row
 
 sys.path.insert(0, os.path.join(ROOT, "bench"))
 from keras3_applications import FAMILIES  # noqa: E402
@@ -33,13 +31,5 @@ pytestmark = pytest.mark.applications
 @pytest.mark.parametrize("mesh", ["data:8", "batch:4,model:2"], ids=["data8", "batch4_model2"])
 @pytest.mark.parametrize("name", FAMILIES)
 def test_a_keras3_application_trains_under_a_distribution_as_plain_keras(name, mesh):
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "keras3_applications.py"), f"--one={name}",
-                           f"--mesh={mesh}"], capture_output=True, text=True, cwd=ROOT, timeout=3600)
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
-    assert lines, proc.stderr[-3000:]
-    row = json.loads(lines[-1])
-    results = os.environ.get("TFPOD_APPLICATIONS_RESULTS")
-    if results:
-        with open(results, "a") as f:
-            f.write(json.dumps(row) + "\n")
+    row = application_row("keras3_applications.py", f"--one={name}", f"--mesh={mesh}", timeout=3600)
     assert row["result"] == "trains", row

@@ -16,14 +16,12 @@ results, with
     python bench/keras_applications.py --results=/tmp/applications.jsonl --table=docs/keras_applications.md
 """
 
-import json
 import os
-import subprocess
 import sys
 
 import pytest
 
-from conftest import ROOT
+from conftest import ROOT, application_row
 
 sys.path.insert(0, os.path.join(ROOT, "bench"))
 from keras_applications import FAMILIES  # noqa: E402
@@ -34,14 +32,6 @@ pytestmark = pytest.mark.applications
 @pytest.mark.parametrize("mesh", ["data:8", "data:4,model:2"], ids=["data8", "data4_model2"])
 @pytest.mark.parametrize("name", FAMILIES)
 def test_an_application_trains_sharded_as_plain_keras(name, mesh):
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "keras_applications.py"), "--parts=matrix",
-                           f"--one={name}", f"--mesh={mesh}", "--cpu_devices=8"],
-                          capture_output=True, text=True, cwd=ROOT, timeout=1800)
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
-    assert lines, proc.stderr[-3000:]
-    row = json.loads(lines[-1])
-    results = os.environ.get("TFPOD_APPLICATIONS_RESULTS")
-    if results:
-        with open(results, "a") as f:
-            f.write(json.dumps(row) + "\n")
+    row = application_row("keras_applications.py", "--parts=matrix", f"--one={name}", f"--mesh={mesh}",
+                          "--cpu_devices=8", timeout=1800)
     assert row["result"] == "trains", row
