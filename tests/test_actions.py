@@ -15,14 +15,13 @@ from tfpod.controller import Controller, TrainConfig
 from tfpod.metrics_writer import MetricsWriter, Throughput
 from tfpod.preemption import Preemption
 
-pytestmark = pytest.mark.unit
-
 
 def outcome(step, losses, total=10):
     losses = np.asarray(losses, np.float32)
     return actions.Outcome(step, losses, np.ones_like(losses), total)
 
 
+@pytest.mark.unit
 def test_an_outcome_ends_the_run_at_the_last_step_or_a_stop():
     assert outcome(4, [1.0, 2.0]).end == 6 and not outcome(4, [1.0, 2.0]).last
     assert outcome(8, [1.0, 2.0]).last
@@ -31,6 +30,7 @@ def test_an_outcome_ends_the_run_at_the_last_step_or_a_stop():
     assert stopped.last
 
 
+@pytest.mark.unit
 def test_metrics_log_the_windows_mean_at_the_cadence_and_the_last_step(tmp_path):
     writer = MetricsWriter(str(tmp_path), True, 10, Throughput(8, 8 * 16, 1e6, 1e12))
     recorded = []
@@ -44,6 +44,7 @@ def test_metrics_log_the_windows_mean_at_the_cadence_and_the_last_step(tmp_path)
     assert [(r["step"], r["loss"], r["skipped_steps"]) for r in lines] == [(4, 4.0, 1), (10, 2.0, 0)]
 
 
+@pytest.mark.unit
 def test_evaluation_runs_at_its_cadence_and_stops_the_run_at_the_target():
     calls = []
 
@@ -67,6 +68,7 @@ def test_evaluation_runs_at_its_cadence_and_stops_the_run_at_the_target():
     assert o.stop == "target"  # a loss is reached from above
 
 
+@pytest.mark.unit
 def test_a_preemption_any_host_agrees_on_stops_every_host_after_the_call():
     with Preemption(agree=lambda signaled: signaled) as alone:
         o = outcome(0, [1.0])
@@ -78,6 +80,7 @@ def test_a_preemption_any_host_agrees_on_stops_every_host_after_the_call():
         assert o.stop == "preempted" and o.last
 
 
+@pytest.mark.unit
 def test_the_nonfinite_guard_counts_skipped_steps_in_a_row():
     """(Its stop and rollback read the run's checkpoints: test_reliability.py.)"""
     guard = nonfinite.NonfiniteGuard("skip", 2, checkpoints=None)
@@ -89,6 +92,7 @@ def test_the_nonfinite_guard_counts_skipped_steps_in_a_row():
     assert guard.skipping == 0
 
 
+@pytest.mark.unit
 def test_the_run_record_is_written_once():
     written = []
     record = actions.RunRecord(lambda: written.append(1))
@@ -97,6 +101,7 @@ def test_the_run_record_is_written_once():
     assert written == [1]
 
 
+@pytest.mark.unit
 def test_a_periodic_condition_says_when_it_is_due_and_when_next():
     every = actions.Every(4)
     assert [s for s in range(1, 10) if every.due(s)] == [4, 8]

@@ -48,7 +48,6 @@ def test_blockwise_equals_the_materialized_matrix_with_its_gradients(case):
     assert max(_compare(**case)) < 1e-6
 
 
-@pytest.mark.unit
 def test_blockwise_runs_in_graph_mode_and_under_xla():
     for fn in (tf.function, lambda f: tf.function(f, jit_compile=True)):
         assert max(_compare(fn=fn)) < 1e-6
@@ -79,7 +78,6 @@ def _score_matmuls_first_in_line(graph_def, rows: int, block: int) -> list[str]:
     return sorted(n for n in big if not after_big(n))
 
 
-@pytest.mark.unit
 @pytest.mark.parametrize("causal,rate", [(True, 0.0), (False, 0.1)])
 def test_each_pair_waits_for_the_previous_one_by_data(causal, rate):
     """Memory linear in the length needs one pair's temporaries at a time: every pair's

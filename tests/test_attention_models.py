@@ -31,7 +31,6 @@ def train(task, config, mesh, model_dir, steps=3, implementation="blockwise", bl
     return run.train()["losses"]
 
 
-@pytest.mark.unit
 @pytest.mark.parametrize("jit", [False, True], ids=["graph", "xla"])
 def test_cross_attention_with_key_padding_and_dropout_equals_the_materialized_matrix(jit):
     """Queries and keys of different lengths, keys padded, queries all of one segment, dropout:
@@ -91,7 +90,6 @@ def test_bert_trains_the_materialized_losses_blockwise(tmp_path):
     np.testing.assert_allclose(losses["blockwise"], losses["materialized"], rtol=1e-5)
 
 
-@pytest.mark.unit
 def test_the_transformer_attends_blockwise_with_the_materialized_logits_and_gradients():
     """The Transformer's encoder self-attention and cross-attention (padded sources: key
     masks), causal decoder self-attention, source and target of different lengths: one model,

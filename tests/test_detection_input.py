@@ -265,7 +265,6 @@ def test_demo_set_is_coco_data_converted(demo_dir, capsys):
     assert json.loads(capsys.readouterr().out)["data_dir"] == demo_dir
 
 
-@pytest.mark.unit
 def test_pipeline_batches_follow_the_contract_and_are_deterministic(demo_dir):
     task_input = detection.detection_input(demo_config(demo_dir, shuffle_buffer=64), 64, DEFAULTS64, ShardInfo(0, 1),
                                            seed=5)

@@ -287,7 +287,6 @@ def initialized(task, config):
     return model
 
 
-@pytest.mark.unit
 def test_without_a_vocabulary_ids_is_the_default_signature(tmp_path):
     """LM data of token ids, BERT's create_pretraining_data.py records: no tokenizer; `ids` (and the LM's
     `generate_ids`) alone, `ids` also as serving_default; bad ids fail with one line saying what to send."""
@@ -325,7 +324,6 @@ def test_without_a_vocabulary_ids_is_the_default_signature(tmp_path):
             served["bert"](**{k: tf.constant(v) for k, v in bad.items()})
 
 
-@pytest.mark.unit
 def test_moe_serves_ids_padded_to_whole_sequences(tmp_path):
     """MoE's routing groups are slices of seq_len tokens: its logits signatures run the model on ids
     padded to seq_len (its generation decodes with a cache: tests/test_generation.py)."""

@@ -11,7 +11,6 @@ from tfpod import export
 from tfpod.input import lm_data
 from tfpod.models import decoding, gpt, llama, lm_serving, moe
 
-pytestmark = pytest.mark.unit
 
 MODELS = {
     "gpt": lambda: gpt.GPT(gpt.GPTConfig(vocab_size=64, seq_len=48, num_layers=2, embed_dim=32, num_heads=4,

@@ -105,7 +105,6 @@ def first(ds, n=3):
     return [{k: v.numpy() for k, v in b.items()} for b in ds.take(n)]
 
 
-@pytest.mark.unit
 def test_lm_dataset_contract_and_determinism(corpus):
     a = first(dataset(corpus))
     assert set(a[0]) == {"inputs", "targets", "weights"}
@@ -120,14 +119,12 @@ def test_lm_dataset_contract_and_determinism(corpus):
     assert any((x["inputs"] != y["inputs"]).any() for x, y in zip(a, c))
 
 
-@pytest.mark.unit
 def test_hosts_read_different_data(corpus):
     h0 = first(dataset(corpus, num_hosts=2, host_id=0))
     h1 = first(dataset(corpus, num_hosts=2, host_id=1))
     assert all((x["inputs"] != y["inputs"]).any() for x, y in zip(h0, h1))
 
 
-@pytest.mark.unit
 def test_segment_packing_feeds_positions_and_segments(corpus):
     b = first(dataset(corpus, packing="segments"), 1)[0]
     assert {"segment_ids", "positions"} <= set(b)
@@ -274,7 +271,6 @@ def test_a_shared_data_config_words_its_errors_in_the_tasks_own_gin_names():
                                 f"lower lm_data.seq_len or raise {name}.seq_len")
 
 
-@pytest.mark.unit
 def test_a_vocabulary_of_your_own_text_gets_tfpods_ids_and_a_foreign_one_is_refused(tmp_path, caplog):
     """`python -m tfpod.input.prepare --vocab_from` trains SentencePiece on your files with tfpod's
     special ids, which lm_data takes; a model with sentencepiece's default ids (eos 2, a normal

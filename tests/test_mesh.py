@@ -5,8 +5,6 @@ import pytest
 from tfpod import UserError
 from tfpod.mesh import describe, make_mesh, parse_mesh_spec
 
-pytestmark = pytest.mark.unit  # no subprocess, no multi-device training
-
 
 @pytest.mark.parametrize(
     "spec,n,expected",
@@ -20,6 +18,7 @@ pytestmark = pytest.mark.unit  # no subprocess, no multi-device training
         ("data:-1,model:2", 16, [("data", 8), ("model", 2)]),
     ],
 )
+@pytest.mark.unit
 def test_parse_resolves(spec, n, expected):
     assert parse_mesh_spec(spec, n) == expected
 
@@ -40,6 +39,7 @@ def test_parse_resolves(spec, n, expected):
         ("1data:8", 8, "is not 'name:size'"),
     ],
 )
+@pytest.mark.unit
 def test_parse_errors_are_one_clear_line(spec, n, needle):
     with pytest.raises(UserError) as e:
         parse_mesh_spec(spec, n)
@@ -48,11 +48,13 @@ def test_parse_errors_are_one_clear_line(spec, n, needle):
     assert "\n" not in msg
 
 
+@pytest.mark.unit
 def test_error_names_both_numbers():
     with pytest.raises(UserError, match=r"has 12 devices but the job has 8"):
         parse_mesh_spec("data:3,model:4", 8)
 
 
+@pytest.mark.unit
 def test_make_mesh_over_logical_devices():
     mesh = make_mesh("data:-1,model:2")
     assert mesh.dim_names == ["data", "model"]
@@ -61,6 +63,7 @@ def test_make_mesh_over_logical_devices():
     assert len(mesh.local_devices()) == 8
 
 
+@pytest.mark.unit
 def test_describe_logs_batch_and_tokens():
     mesh = make_mesh("data:4,model:2")
     line = describe(mesh, global_batch=16, seq_len=64)
@@ -72,6 +75,7 @@ def test_describe_logs_batch_and_tokens():
         describe(mesh, global_batch=6, seq_len=64)
 
 
+@pytest.mark.unit
 def test_logical_cpu_devices_share_the_cores():
     """8 logical devices on this host's cores: each op gets cores // 8 intra-op threads
     (at least 1) instead of every core (runtime._share_cores), and the knob is validated."""

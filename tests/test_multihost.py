@@ -334,7 +334,6 @@ def test_the_launcher_restarts_every_host_after_one_is_killed_and_the_run_ends_a
     assert_one_devices_losses(d, extra, tmp_path / "one")
 
 
-@pytest.mark.unit
 def test_the_launcher_never_restarts_after_a_sigterm_and_stops_after_max_restarts(tmp_path):
     """Hosts that count their starts: one failing every start is started 1 + --max_restarts
     times, then the launcher exits with its code; a SIGTERM (preemption) to the launcher

@@ -177,7 +177,6 @@ def test_a_175b_model_plans_without_allocating():
     assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 < 16 * 2**30
 
 
-@pytest.mark.unit
 def test_recomputation_is_searched_for_models_with_dropout():
     """A 13B GPT (40 layers, width 5120, 40 heads, MLP 20480) with its dropout 0.1, batch 512 on
     64 H100: on data:16,model:4 only recomputation fits, and the search takes it (recomputation

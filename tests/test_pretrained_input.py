@@ -57,7 +57,6 @@ def test_ids_records_pack_into_the_written_ids(tmp_path):
     ]
 
 
-@pytest.mark.unit
 def test_bos_before_and_no_eos_after_documents_as_set(tmp_path):
     """lm_data.bos_id puts the model's BOS before every document; append_eos=False joins
     documents with nothing between them (Megatron data without --append-eod); ids that
@@ -113,7 +112,6 @@ def test_megatron_datasets_written_by_megatron_core_convert_to_the_same_document
         megatron.Index(str(tmp_path / "missing"))
 
 
-@pytest.mark.unit
 def test_ids_input_needs_no_vocabulary_and_splits_files_over_hosts(tmp_path):
     """lm_input as the GPT task calls it: no corpus prepared, hosts read disjoint files, the
     eval split packs each document alone, and the training iterator is checkpointable."""
@@ -257,7 +255,6 @@ def test_wordpiece_vocab_errors_are_one_line(tmp_path, vocab_txt):
     assert bert_data.special_ids(text.load_tokenizer(vocab_txt), vocab_txt) == {"mask": MASK, "cls": CLS, "sep": SEP}
 
 
-@pytest.mark.unit
 def test_wordpiece_vocab_drives_bert_online_masking(tmp_path, vocab_txt):
     from tfpod.models import bert
 
@@ -291,7 +288,6 @@ def test_wordpiece_vocab_drives_bert_online_masking(tmp_path, vocab_txt):
     assert ids.shape == (4, 16) and (ids[:, 0] == CLS).all() and (ids[:, -1] == SEP).all() and ids.max() < len(VOCAB)
 
 
-@pytest.mark.unit
 def test_bert_serving_takes_raw_strings_through_a_wordpiece_vocab(tmp_path, vocab_txt):
     """models/bert.py's raw-string signature, unchanged, on a vocab.txt: saved and loaded."""
     from tfpod.models import bert

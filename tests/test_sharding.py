@@ -11,7 +11,6 @@ from tfpod.mesh import make_mesh
 from tfpod.models import gpt
 from tfpod.partitioning import AxisRule, VarSpec, layout_report, resolve, rules_table
 
-pytestmark = pytest.mark.unit  # no subprocess, no multi-device training
 
 U = dtensor.UNSHARDED
 
@@ -24,6 +23,7 @@ def mesh():
 TENSOR = rules_table("tensor")
 
 
+@pytest.mark.unit
 def test_layouts_follow_the_table(mesh):
     specs = [VarSpec("m/q/kernel", (16, 8, 4)), VarSpec("m/out/kernel", (8, 4, 16)), VarSpec("m/ln/gamma", (16,))]
     rules = [AxisRule(r".*/q/kernel", ("embed", "heads", "kv")), AxisRule(r".*/out/kernel", ("heads", "kv", "embed")),
@@ -36,17 +36,20 @@ def test_layouts_follow_the_table(mesh):
     assert all(s == U for l in data_only.values() for s in l.sharding_specs)
 
 
+@pytest.mark.unit
 def test_mesh_axis_absent_means_replicated():
     mesh = make_mesh("data:8")
     layout = partitioning.layout_for(("batch", "length", "vocab"), TENSOR, mesh)
     assert layout.sharding_specs == ["data", U, U]
 
 
+@pytest.mark.unit
 def test_a_mesh_axis_shards_one_dimension_only(mesh):
     layout = partitioning.layout_for(("heads", "mlp"), TENSOR, mesh)
     assert layout.sharding_specs == ["model", U]
 
 
+@pytest.mark.unit
 def test_user_overrides_replace_preset_entries(mesh):
     table = rules_table("tensor", {"mlp": None, "embed": "model"})
     assert table["mlp"] is None and table["embed"] == "model" and table["heads"] == "model"
@@ -58,6 +61,7 @@ def _one_line(excinfo):
     return msg
 
 
+@pytest.mark.unit
 def test_rank_mismatch_names_variable_shape_and_rule(mesh):
     with pytest.raises(UserError) as e:
         resolve([VarSpec("m/dense/kernel", (16, 32))], [AxisRule(r".*dense/kernel", ("embed",))], TENSOR, mesh)
@@ -65,6 +69,7 @@ def test_rank_mismatch_names_variable_shape_and_rule(mesh):
     assert "m/dense/kernel (16, 32)" in msg and "rank 2" in msg and r".*dense/kernel" in msg
 
 
+@pytest.mark.unit
 def test_not_divisible_names_variable_shape_rule_and_axis(mesh):
     with pytest.raises(UserError) as e:
         resolve([VarSpec("m/mlp/kernel", (16, 33))], [AxisRule(r".*mlp/kernel", ("embed", "mlp"))], TENSOR, mesh)
@@ -72,6 +77,7 @@ def test_not_divisible_names_variable_shape_rule_and_axis(mesh):
     assert "m/mlp/kernel (16, 33)" in msg and "size 33" in msg and "'model' of size 2" in msg and ".*mlp/kernel" in msg
 
 
+@pytest.mark.unit
 def test_every_dimension_that_does_not_divide_is_named_in_one_error(mesh):
     """All at once (one run to learn them all), grouped by logical axis, size and mesh axis."""
     specs = [VarSpec(f"m/block_{i}/mlp/kernel", (16, 33)) for i in range(3)] + [VarSpec("m/emb", (51, 16))]
@@ -83,6 +89,7 @@ def test_every_dimension_that_does_not_divide_is_named_in_one_error(mesh):
     assert "m/emb (51, 16): dimension 0 (vocab, size 51)" in msg and "map 'mlp', 'vocab' to no mesh axis" in msg
 
 
+@pytest.mark.unit
 def test_variable_matched_by_two_rules(mesh):
     rules = [AxisRule(r".*/kernel", ("embed", "mlp")), AxisRule(r".*/mlp/.*", ("embed", "mlp"))]
     with pytest.raises(UserError) as e:
@@ -91,12 +98,14 @@ def test_variable_matched_by_two_rules(mesh):
     assert "m/mlp/kernel (16, 32)" in msg and "two sharding rules" in msg and ".*/kernel" in msg and ".*/mlp/.*" in msg
 
 
+@pytest.mark.unit
 def test_variable_matched_by_no_rule(mesh):
     with pytest.raises(UserError) as e:
         resolve([VarSpec("m/other/kernel", (4, 4))], [], TENSOR, mesh)
     assert "m/other/kernel (4, 4) matches no sharding rule" in _one_line(e)
 
 
+@pytest.mark.unit
 def test_rule_that_matches_nothing(mesh):
     rules = [AxisRule(r".*/kernel", ("embed", "mlp")), AxisRule(r".*/typo_kernel", ("embed", "mlp"))]
     with pytest.raises(UserError) as e:
@@ -104,11 +113,13 @@ def test_rule_that_matches_nothing(mesh):
     assert ".*/typo_kernel" in _one_line(e) and "matches no variable" in str(e.value)
 
 
+@pytest.mark.unit
 def test_duplicate_variable_names(mesh):
     with pytest.raises(UserError, match="two variables are named 'm/k'"):
         resolve([VarSpec("m/k", (4,)), VarSpec("m/k", (4,))], [AxisRule("m/k", ("embed",))], TENSOR, mesh)
 
 
+@pytest.mark.unit
 def test_bad_rules_and_presets():
     with pytest.raises(UserError, match="unknown logical axis 'hidden'"):
         AxisRule(r".*", ("hidden",))
@@ -120,6 +131,7 @@ def test_bad_rules_and_presets():
         rules_table("tensor", {"hidden": "model"})
 
 
+@pytest.mark.unit
 def test_validation_happens_before_allocation(mesh, monkeypatch):
     """A bad rule is reported from the lazy build, before any DVariable is created."""
     from tf_keras.src.dtensor import layout_map
@@ -144,6 +156,7 @@ def test_validation_happens_before_allocation(mesh, monkeypatch):
     assert created
 
 
+@pytest.mark.unit
 def test_layout_report_lists_bytes_per_device_and_totals(mesh):
     specs = [VarSpec("m/emb", (64, 16)), VarSpec("m/ln", (16,))]
     rules = [AxisRule("m/emb", ("vocab", "embed")), AxisRule("m/ln", ("embed",))]
@@ -167,6 +180,7 @@ def test_gpt_small_is_125m_parameters():
     assert 120e6 < n < 130e6, n
 
 
+@pytest.mark.unit
 def test_activation_helpers_relayout_inside_the_context(mesh):
     import tensorflow as tf
 
@@ -184,6 +198,7 @@ def test_activation_helpers_relayout_inside_the_context(mesh):
             partitioning.shard(x, ("batch", "length"))
 
 
+@pytest.mark.unit
 def test_what_changes_a_traced_step_is_one_context_and_its_switches_fail_outside_a_step(mesh):
     """The step's context (partitioning.step_context.StepContext) is opened by a placement's compile
     point; each switch an executor flips inside it (gathered weights, the microbatch, a pipeline

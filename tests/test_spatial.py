@@ -12,7 +12,6 @@ from tfpod.api import run
 from tfpod.mesh import make_mesh
 from tfpod.partitioning import activation_sharding, spatial
 
-pytestmark = pytest.mark.unit  # small DTensor programs, no training
 
 TABLE = {"batch": "data", "height": "model"}
 
@@ -95,6 +94,7 @@ def _dilated_conv2d_float64(x, k, w, pad):
     return y, dxp[:, pad: pad + x.shape[1], pad: pad + x.shape[2]], dk
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("padding", ["SAME", "VALID"])
 def test_dilated_convolution_without_split_rows_equals_float64(padding):
     """Outside a row-splitting sharding spatial.conv2d is a plain convolution, a dilated one
@@ -115,6 +115,7 @@ def test_dilated_convolution_without_split_rows_equals_float64(padding):
         assert (np.abs(g.numpy() - want) <= (n + 2) * 2.0 ** -24 * magnitude).all()
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("size,stride", [(3, 2), (2, 2), (3, 1)])
 def test_max_pooling_with_split_rows_equals_max_pool(size, stride):
     """Padding never wins a max, also where every value is negative (the image's edges)."""
@@ -127,6 +128,7 @@ def test_max_pooling_with_split_rows_equals_max_pool(size, stride):
         np.testing.assert_allclose(g, w, rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.unit
 def test_plan_says_why_rows_stay_whole():
     assert spatial.plan(32, 3, 2, 1, "SAME", 4).split
     assert "not divisible by 4 row blocks x stride 2" in spatial.plan(20, 3, 2, 1, "SAME", 4).reason
@@ -136,6 +138,7 @@ def test_plan_says_why_rows_stay_whole():
     assert (geometry.before, geometry.after, geometry.out_rows) == (2, 3, 32)
 
 
+@pytest.mark.unit
 def test_spatial_preset_on_a_model_without_image_rows_is_one_line(tmp_path):
     with pytest.raises(UserError, match="model 'gpt' has no image rows to split: spatial partitioning is for resnet"):
         run(["gin/lm_tiny.gin"], ["train.steps=1", "sharding.preset='spatial'", "train.synthetic_data=True"],

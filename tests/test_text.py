@@ -15,7 +15,6 @@ import tensorflow as tf
 from tfpod import UserError
 from tfpod.input import text
 
-pytestmark = pytest.mark.unit  # no subprocess, no multi-device training
 
 EOS = 99
 WORDS = "the quick brown fox jumps over lazy dog and cat runs far away into deep green forest".split()
@@ -55,6 +54,7 @@ def sp_model(tmp_path_factory):
     return str(path), lines
 
 
+@pytest.mark.unit
 def test_load_tokenizer_matches_sentencepiece(sp_model):
     path, lines = sp_model
     tokenizer = text.load_tokenizer(path)
@@ -79,6 +79,7 @@ def test_load_tokenizer_matches_sentencepiece(sp_model):
     ],
     ids=lambda v: v if isinstance(v, str) and len(v) < 40 else "",
 )
+@pytest.mark.unit
 def test_load_tokenizer_bad_file_is_one_line_user_error(tmp_path, name, content, needle):
     path = tmp_path / name
     if content == "dir":
@@ -94,6 +95,7 @@ def test_load_tokenizer_bad_file_is_one_line_user_error(tmp_path, name, content,
     assert "\n" not in msg
 
 
+@pytest.mark.unit
 def test_tokenize_appends_eos_and_keeps_order(sp_model):
     path, lines = sp_model
     tokenizer = text.load_tokenizer(path)
@@ -116,6 +118,7 @@ def ref_concat(docs, seq_len):
     return [{"inputs": c[:-1], "targets": c[1:], "weights": [1.0] * seq_len} for c in chunks]
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("block_docs", [1, 2, 3, 64])
 def test_pack_concat_literal(block_docs):
     docs = [[1, 2, 3, EOS], [4, 5, EOS], [6, 7, 8, 9, EOS], [10, 11]]  # the last 2 tokens are dropped
@@ -132,6 +135,7 @@ def test_pack_concat_literal(block_docs):
     ]
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("block_docs,seq_len", [(1, 7), (3, 16), (5, 64), (64, 33)])
 def test_pack_concat_matches_reference(block_docs, seq_len):
     docs = random_docs(seed=block_docs, n=120, max_len=40)
@@ -141,6 +145,7 @@ def test_pack_concat_matches_reference(block_docs, seq_len):
     assert got == want
 
 
+@pytest.mark.unit
 def test_pack_concat_long_document_spans_rows_and_short_input_gives_nothing():
     assert rows(text.pack_concat(docs_ds([list(range(1, 10))]), seq_len=2)) == [
         {"inputs": [1, 2], "targets": [2, 3], "weights": [1.0, 1.0]},
@@ -179,6 +184,7 @@ def ref_segments(docs, seq_len, pad_id):
     return packed
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("block_docs", [1, 2, 64])
 def test_pack_segments_literal(block_docs):
     docs = [[1, 2, 3, 4], [5, 6], [7, 8, 9]]
@@ -209,6 +215,7 @@ def test_pack_segments_splits_long_documents_and_drops_single_tokens(block_docs)
     ]
 
 
+@pytest.mark.unit
 def test_pack_segments_full_last_row_and_empty_input():
     got = rows(text.pack_segments(docs_ds([[1, 2, 3], [4, 5, 6]]), seq_len=2))
     assert [r["inputs"] for r in got] == [[1, 2], [4, 5]]
@@ -217,6 +224,7 @@ def test_pack_segments_full_last_row_and_empty_input():
     assert rows(text.pack_segments(docs_ds([[7], [], [8]]), seq_len=4)) == []
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("block_docs,seq_len", [(1, 8), (4, 16), (7, 32), (64, 64)])
 def test_pack_segments_matches_reference(block_docs, seq_len):
     docs = random_docs(seed=100 + block_docs, n=150, max_len=50)
@@ -247,6 +255,7 @@ def test_packers_accept_int64_and_ragged_slices_and_reject_other_elements():
         text.pack_segments(tf.data.Dataset.from_tensors(tf.constant(["a b"])), seq_len=4)
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("fn", [text.pack_concat, text.pack_segments])
 def test_pack_rejects_bad_lengths(fn):
     with pytest.raises(UserError, match="seq_len=0 must be a positive integer"):
@@ -296,6 +305,7 @@ def check_mlm_row(r, tokens, seq_len, max_predictions, mask_rate=0.15):
     return count
 
 
+@pytest.mark.unit
 def test_mask_for_mlm_literal():
     docs = [list(range(10, 20)), list(range(100, 140)), [42], []]
     out = mlm(docs)
@@ -308,6 +318,7 @@ def test_mask_for_mlm_literal():
     assert got[3]["input_ids"][:3] == [CLS, SEP, PAD]
 
 
+@pytest.mark.unit
 def test_mask_for_mlm_never_selects_special_ids_in_the_text():
     docs = [[CLS, SEP, PAD, 50, 51, CLS, SEP, 52]] * 40
     for r in rows(mlm(docs, mask_rate=1.0)):
@@ -315,6 +326,7 @@ def test_mask_for_mlm_never_selects_special_ids_in_the_text():
         assert r["masked_lm_ids"][:3] == [50, 51, 52]
 
 
+@pytest.mark.unit
 def test_mask_for_mlm_is_seeded():
     docs = random_docs(seed=3, n=200, max_len=30, vocab=VOCAB)
     first, again = rows(mlm(docs, seed=5, batch_size=16)), rows(mlm(docs, seed=5, batch_size=16))
@@ -327,6 +339,7 @@ def test_mask_for_mlm_is_seeded():
     assert len({tuple(r["masked_lm_positions"]) for r in same}) > 10
 
 
+@pytest.mark.unit
 def test_mask_for_mlm_statistics():
     seq_len, max_predictions = 128, 20
     rng = np.random.default_rng(11)
@@ -349,6 +362,7 @@ def test_mask_for_mlm_statistics():
     assert abs((selected - masked - kept) / selected - 0.1) < 0.015
 
 
+@pytest.mark.unit
 def test_mask_for_mlm_rejects_bad_arguments():
     with pytest.raises(UserError, match="seq_len=2 leaves no room"):
         mlm([[5]], seq_len=2)
@@ -358,6 +372,7 @@ def test_mask_for_mlm_rejects_bad_arguments():
         mlm([[5]], max_predictions=0)
 
 
+@pytest.mark.unit
 def test_gpt_attends_only_within_segments_and_restarts_positions():
     """The LM honours segment packing: a segment's logits ignore other segments' tokens."""
     import tf_keras
@@ -382,6 +397,7 @@ def test_gpt_attends_only_within_segments_and_restarts_positions():
     assert np.abs(plain[0, 3:6] - la[0, 3:6]).max() > 1e-3
 
 
+@pytest.mark.unit
 def test_pack_documents_literal():
     """Each document alone; rows share a boundary token; the last row is padded with weight 0."""
     docs = [[1, 2, 3, 4, 5, 9], [6, 7, 9], [8]]
