@@ -35,6 +35,7 @@ The last line is one JSON object: {"runs": {"<run>@<mesh>@<rows>": {...}}, "spee
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import resource
@@ -122,7 +123,7 @@ def run_tfpod(args) -> dict:
     opt = optimizers.OptimizerConfig(name="adagrad", learning_rate=0.05, decay="constant", weight_decay=0.0,
                                      clip_norm=0, epsilon=1e-7, initial_accumulator=0.1)
     pool = batches(cfg, args.batch, args.warmup + args.steps)  # keras_fit's batches, made before the clock starts
-    drawn = iter(range(10**9))
+    drawn = itertools.count()
 
     class Pregenerated(dlrm.DLRMTask):
         """The dlrm task fed keras_fit's pregenerated batches in turn (train.synthetic_data's feed)."""

@@ -103,19 +103,18 @@ def run(name: str, variant: str, size_name: str, steps: int, devices: int) -> di
     size = SIZES[size_name][name]
     row = {"model": name, "variant": variant, "size": size_name, **size}
     x, y = _data(name, size, steps)
-    times: list[float] = []  # [first batch's begin, the epoch's end], and the batches' count
+    timed: dict = {}  # the first batch's start, the training's end, the batches run
 
     def timer(callbacks_module):
         class Timer(callbacks_module.Callback):
             def on_train_batch_begin(self, batch, logs=None):
-                if not times:
-                    times.append(time.perf_counter())
+                timed.setdefault("start", time.perf_counter())
 
             def on_train_batch_end(self, batch, logs=None):
-                self.batches = batch + 1
+                timed["batches"] = batch + 1
 
             def on_train_end(self, logs=None):
-                times.extend([time.perf_counter(), self.batches])
+                timed["end"] = time.perf_counter()
 
         return Timer()
 
@@ -145,8 +144,8 @@ def run(name: str, variant: str, size_name: str, steps: int, devices: int) -> di
         fit = {"batch_size": size["batch"], "epochs": 1, "shuffle": False, "verbose": 0}
         model.fit(x, y, **fit)  # compiles
         model.fit(x, y, **fit, callbacks=[timer(keras.callbacks)])
-    step = (times[1] - times[0]) / times[2]
-    row.update(step_s=round(step, 5), examples_per_s=round(size["batch"] / step, 1), steps=times[2],
+    step = (timed["end"] - timed["start"]) / timed["batches"]
+    row.update(step_s=round(step, 5), examples_per_s=round(size["batch"] / step, 1), steps=timed["batches"],
                seconds=round(time.time() - started, 1))
     return row
 

@@ -152,7 +152,7 @@ def main() -> None:
             shutil.rmtree(folder, ignore_errors=True)
         return
     if args.results:
-        rows = [json.loads(line) for line in open(args.results) if line.strip()]
+        rows = matrix_table.read(args.results)
     else:
         names = FAMILIES if args.models == "families" else args.models.split(",")
         rows = []

@@ -224,8 +224,7 @@ def main() -> None:
     parser.add_argument("--one", default=None, help="(internal) run one model in this process")
     args = parser.parse_args()
     if args.results:
-        with open(args.results) as f:
-            rows = [json.loads(line) for line in f if line.strip()]
+        rows = matrix_table.read(args.results)
         matrix_table.write(args.table or "/dev/stdout", "keras_applications.py", "tests/test_keras_applications.py",
                            matrix_table.markdown(rows))
         return

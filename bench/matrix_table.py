@@ -4,11 +4,18 @@ each cell the row's result, its sharded losses and its largest difference from p
 
 from __future__ import annotations
 
+import json
 import time
 from typing import Callable, Sequence
 
 # a row's differences from plain Keras (those it has): the cell shows the largest
 DIFFERENCES = ("loss_rel", "weights_rel", "evaluate_rel", "predict_max", "loaded_max", "saved_model_max")
+
+
+def read(path: str) -> list[dict]:
+    """The rows of a results file: its JSON lines that are rows (a bench's output may end with its summary)."""
+    with open(path) as f:
+        return [r for r in (json.loads(line) for line in f if line.strip()) if "model" in r]
 
 
 def cell(row: dict | None) -> str:
