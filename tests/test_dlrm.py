@@ -5,6 +5,8 @@ checkpointed, two hosts evaluating every example once, and the served model."""
 
 import json
 import os
+import re
+import shutil
 import subprocess
 
 import numpy as np
@@ -57,6 +59,30 @@ def test_sharded_tables_train_as_one_device_resume_exactly_and_move_between_mesh
     run(["gin/dlrm_tiny.gin"], SMALL + ["train.steps=2", "sharding.preset='2d'"], two_d, mode="train",
         mesh_spec="data:4,model:2")
     np.testing.assert_allclose([losses(two_d)[s] for s in (1, 2)], [a[s] for s in (1, 2)], rtol=2e-5)
+
+
+def test_tables_placed_whole_train_as_one_device_and_checkpoints_move_both_ways(tmp_path):
+    """sharding.tables='whole' (table-wise): on data:8 with the tables' rows over `data` each
+    table lies whole on one device, balanced by bytes, and trains with one device's losses;
+    its checkpoint goes on under row-split tables on data:4,model:2, and a one-device
+    checkpoint goes on with the tables whole over `model` there, both with the same losses."""
+    one, placed, back = (str(tmp_path / n) for n in ("one", "placed", "back"))
+    whole = ["sharding.tables='whole'"]
+    run(["gin/dlrm_tiny.gin"], SMALL + ["train.steps=2"], one, mode="train", mesh=device_mesh("data:1"))
+    shutil.copytree(one, back)
+    run(["gin/dlrm_tiny.gin"], SMALL + ["train.steps=4"], one, mode="train", mesh=device_mesh("data:1"))
+    run(["gin/dlrm_tiny.gin"], SMALL + ["train.steps=2", "sharding.rules={'vocab': 'data'}"] + whole, placed,
+        mode="train", mesh_spec="data:8")
+    report = open(os.path.join(placed, "layouts.txt")).read()
+    homes = re.findall(r"dlrm/table_\d+/embeddings .*\[unsharded, unsharded\] on data=(\d)", report)
+    assert sorted(homes) == [str(p) for p in range(8)], report  # 8 tables, one per device
+    assert "(the most any device holds)" in report
+    run(["gin/dlrm_tiny.gin"], SMALL + ["train.steps=4"], placed, mode="train", mesh_spec="data:4,model:2")
+    run(["gin/dlrm_tiny.gin"], SMALL + ["train.steps=4"] + whole, back, mode="train", mesh_spec="data:4,model:2")
+    reference = losses(one)
+    for model_dir in (placed, back):
+        got = losses(model_dir)
+        np.testing.assert_allclose([got[s] for s in (1, 2, 3, 4)], [reference[s] for s in (1, 2, 3, 4)], rtol=2e-5)
 
 
 def test_tiny_recipe_reaches_its_teachers_auc(tmp_path):

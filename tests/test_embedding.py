@@ -56,15 +56,19 @@ def batches(steps, rows=16, seed=0):
 
 
 def full(v, mesh):
-    return runtime.to_host(dtensor.relayout(v.read_value(), dtensor.Layout.replicated(mesh, v.shape.rank)))
+    """A variable's whole value on the host (on `mesh`, or on the sub-mesh of a table placed whole)."""
+    del mesh
+    own = dtensor.fetch_layout(v).mesh
+    return runtime.to_host(dtensor.relayout(v.read_value(), dtensor.Layout.replicated(own, v.shape.rank)))
 
 
-def sharded(make_optimizer, mesh_spec="data:4,model:2"):
+def sharded(make_optimizer, mesh_spec="data:4,model:2", tables="rows"):
     mesh = make_mesh(mesh_spec)
-    placement = partitioning.Placement.from_config(partitioning.ShardingConfig(preset="tensor"), "tensor", mesh,
-                                                   check=False)
+    placement = partitioning.Placement.from_config(partitioning.ShardingConfig(preset="tensor", tables=tables),
+                                                   "tensor", mesh, check=False)
     tf_keras.utils.set_random_seed(1)
-    model, _, layouts = partitioning.build_sharded(Model, SIGNATURE, mesh, RULES, placement.table)
+    placed = TablesExecutor(Task(), placement).variable_layouts
+    model, _, layouts = partitioning.build_sharded(Model, SIGNATURE, mesh, RULES, placement.table, placed=placed)
     optimizer = make_optimizer() if make_optimizer else None
     update = optimizers.Update(optimizer, model.trainable_variables, mesh) if optimizer else None
     tables = embedding.Tables(model, placement, AXES, optimizer)
@@ -169,17 +173,22 @@ def lazy_adam(var, m, v, indices, values, lr, step, b1=0.9, b2=0.999, eps=1e-7):
     var[ids] -= lr * np.sqrt(1 - b2 ** step) / (1 - b1 ** step) * m[ids] / (np.sqrt(v[ids]) + eps)
 
 
-@pytest.mark.parametrize("kind", ["sgd", "momentum", "adagrad", "adam"])
-def test_sparse_updates_equal_plain_keras_over_steps(kind):
-    """Four steps with repeated ids and clipping active: tables (row- and column-split) and
-    their slots equal plain tf_keras's sparse update on one device (rtol 1e-6); Adam is lazy
-    (rows a step does not touch keep their moments), checked against numpy; the global norm
-    counts each table's de-duplicated rows (the norm of its dense gradient)."""
+@pytest.mark.parametrize("kind,tables", [("sgd", "rows"), ("momentum", "rows"), ("adagrad", "rows"), ("adam", "rows"),
+                                         ("adagrad", "whole"), ("adam", "whole")])
+def test_sparse_updates_equal_plain_keras_over_steps(kind, tables):
+    """Four steps with repeated ids and clipping active: tables (row- and column-split, or
+    with tables='whole' the row-split ones each whole on the devices of one position of
+    `model`) and their slots equal plain tf_keras's sparse update on one device (rtol 1e-6);
+    Adam is lazy (rows a step does not touch keep their moments), checked against numpy;
+    the global norm counts each table's de-duplicated rows (the norm of its dense gradient)."""
     make = {"sgd": lambda: tf_keras.optimizers.legacy.SGD(0.1),
             "momentum": lambda: tf_keras.optimizers.legacy.SGD(0.1, momentum=0.9),
             "adagrad": lambda: tf_keras.optimizers.legacy.Adagrad(0.1),
             "adam": lambda: tf_keras.optimizers.legacy.Adam(0.01)}[kind]
-    model, placement, tables, update, _ = sharded(make)
+    model, placement, _, update, layouts = sharded(make, tables=tables)
+    if tables == "whole":  # a and c whole on model=0 and model=1 (the larger first); b's columns split as before
+        assert [partitioning.submesh.position(layouts[f"m/{n}/embeddings"].mesh, placement.mesh)
+                for n in "abc"] == [("model", 0), None, ("model", 1)]
     mesh = placement.mesh
     ref = reference(model, mesh)
     stack = batches(4)
@@ -243,3 +252,28 @@ def test_a_split_table_without_the_tables_executor_is_one_line():
     loop = trainer.make_train_loop(executor, update, None, 1)
     with pytest.raises(UserError, match=r"embedding \w: its table's rows are split .* `sparse_tables = True`"):
         loop(executor.to_device(batches(1), 1), 1)
+
+
+@pytest.mark.unit
+def test_tables_placed_whole_balance_by_bytes_and_refuse_in_one_line():
+    """Table-wise positions are greedy by bytes (largest first, to the least-loaded position);
+    a position's sub-mesh is the mesh's devices there; what cannot be placed whole is one
+    UserError line."""
+    from tfpod.embedding import whole
+
+    assert whole.positions({"a": 10, "b": 6, "c": 5, "d": 1}, 2) == {"a": 0, "b": 1, "c": 1, "d": 0}
+    mesh = make_mesh("data:4,model:2")
+    sub = partitioning.submesh.at(mesh, "model", 1)
+    assert sub.shape() == [4, 1] and [d[-5:] for d in sub.local_devices()] == ["CPU:1", "CPU:3", "CPU:5", "CPU:7"]
+    assert partitioning.submesh.position(sub, mesh) == ("model", 1)
+    with pytest.raises(UserError, match=r"sharding.tables='sideways': use 'rows' .* or 'whole'"):
+        partitioning.ShardingConfig(tables="sideways")
+    replicated = {"t": dtensor.Layout.replicated(mesh, 2)}
+    with pytest.raises(UserError, match=r"no table's rows map to a mesh axis .* sharding.rules=\{'vocab': 'data'\}"):
+        whole.layouts(["t"], replicated, {"t": (8, 4)}, {"t": 4}, mesh)
+    placement = partitioning.Placement.from_config(partitioning.ShardingConfig(preset="tensor", tables="whole"),
+                                                   "tensor", mesh, check=False)
+    task = Task()
+    task.sparse_tables = False
+    with pytest.raises(UserError, match=r"sharding.tables='whole': task 'm' has no embedding tables to place"):
+        trainer.executor_for(task, placement)

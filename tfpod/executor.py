@@ -94,7 +94,8 @@ class Accumulation:
 class Executor(abc.ABC):
     """How a run's steps execute on its placement: chosen once per run, before the model is built.
 
-    The Trainer calls, in order: `variable_stages` (the build's stage assignment), `bind`
+    The Trainer calls, in order: `variable_stages` and `variable_layouts` (the build's stage
+    assignment, and weights placed off the rules' layouts), `bind`
     (once the model, the update and the train state exist), then `make_loop` with its
     train step (`loss_and_gradients` then `Update.step` with `homes`), and per call of the
     loop `to_device`; evaluation compiles `eval_forward` and packs with `eval_to_device`.
@@ -115,6 +116,12 @@ class Executor(abc.ABC):
         partitioning.build_sharded); None: every weight on the placement's one mesh."""
         del model
         return None
+
+    def variable_layouts(self, model, layouts: Mapping) -> dict:
+        """{name: layout} of the weights of the lazily built `model` this executor places
+        elsewhere than the rules' `layouts` (for partitioning.build_sharded); none by default."""
+        del model, layouts
+        return {}
 
     def bind(self, model, update: optimizers.Update, state) -> None:
         """Takes the built model and the update (its variables, in the update's order) and

@@ -57,10 +57,11 @@ class TrainState:
         model = self.model if self.saved is None else self.saved
         return {"model": model} if self.optimizer is None else {"model": model, "optimizer": self.optimizer}
 
-    def save_through(self, variables, mesh) -> None:
-        """Saves and restores `variables` of other pipeline stages through `mesh` (the first stage's)."""
+    def save_through(self, variables, mesh, target=None, copy=None) -> None:
+        """Saves and restores `variables` of other pipeline stages (or sub-meshes) through `mesh`
+        (the first stage's); `target(variable)` and `copy`: stages.save_through's."""
         for v in variables:
-            stages.save_through(v, mesh, self.through_first_stage)
+            stages.save_through(v, mesh, self.through_first_stage, target and target(v), copy)
 
     def after_restore(self) -> None:
         """Copies what a restore read into the first stage's holders to their stages' variables."""

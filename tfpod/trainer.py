@@ -24,7 +24,7 @@ from typing import Mapping, Sequence
 import numpy as np
 import tf_keras
 
-from tfpod import compat, evaluation, optimizers, partitioning, runtime
+from tfpod import UserError, compat, evaluation, optimizers, partitioning, runtime
 from tfpod.embedding.executor import TablesExecutor
 from tfpod.executor import Executor, LoopFn, OneMesh, StepFn
 from tfpod.partitioning import Placement
@@ -39,6 +39,9 @@ def executor_for(task: Task, placement: Placement, microbatches: int = 1, schedu
     for a model with embedding tables, else OneMesh."""
     if task.sparse_tables:  # (it refuses stages, microbatches and a sharded update)
         return TablesExecutor(task, placement, microbatches)
+    if placement.tables != "rows":
+        raise UserError(f"sharding.tables={placement.tables!r}: task {task.name!r} has no embedding tables to place "
+                        "(tasks with `sparse_tables`); drop the setting")
     if placement.num_stages > 1:
         return Pipeline(task, placement, microbatches, schedule)
     return OneMesh(task, placement, microbatches)
@@ -105,7 +108,8 @@ class Trainer:
         with precision_policy(precision):
             self.model, self.specs, self.layouts = partitioning.build_sharded(
                 lambda: task.build(model_config), task.input_signature(model_config), placement.mesh,
-                task.axis_rules, placement.table, placement.stages, self.executor.variable_stages)
+                task.axis_rules, placement.table, placement.stages, self.executor.variable_stages,
+                self.executor.variable_layouts)
         # (the weights layers read gathered: the trainable ones, and with LoRA the base it froze too)
         weights = self.model.trainable_variables if task.lora is None else self.model.variables
         self.gathered = partitioning.gather_when_used(weights, placement.gather_axis)

@@ -33,9 +33,10 @@ from tfpod import UserError, compat, optimizers, runtime
 from tfpod.embedding.homes import TableHomes
 from tfpod.embedding.layer import lookup_scope
 from tfpod.embedding.sparse import Rows, dedupe
-from tfpod.embedding.tables import Tables
+from tfpod.embedding import whole
+from tfpod.embedding.tables import Tables, find_layers
 from tfpod.executor import LoopFn, OneMesh, StepFn
-from tfpod.partitioning import Placement
+from tfpod.partitioning import Placement, submesh, var_name
 from tfpod.task import Task
 
 PARTIALS = "__table__/"  # a packed batch's features holding a table's partial lookups
@@ -81,6 +82,7 @@ class TablesExecutor(OneMesh):
         self._homes: TableHomes | None = None
         self._positions: list[int] = []  # the tables' positions among the update's variables
         self._order: list[int] = []  # per table of `tables`, its index among those positions
+        self._widths: list[int] = []  # per position, the table's row width
 
     def bind(self, model, update: optimizers.Update, state) -> None:
         """Also finds the model's tables and their shards on this host's devices (`Tables`)."""
@@ -94,8 +96,31 @@ class TablesExecutor(OneMesh):
         self._positions = [j for j, v in enumerate(self.variables) if inner(v) in ids]
         by_variable = {inner(self.variables[j]): n for n, j in enumerate(self._positions)}
         self._order = [by_variable[inner(t.variable)] for t in self.tables.tables]
+        self._widths = [self.variables[j].shape[-1] for j in self._positions]
+        for t in self.tables.tables:  # a whole table on another mesh: the step differentiates its marker
+            if t.marker is not None:
+                self.variables[self._positions[by_variable[inner(t.variable)]]] = t.marker
         self.sparse = frozenset(id(self.variables[j]) for j in self._positions)
+        # a checkpoint's save or restore names its files on one mesh: whole tables and their
+        # slots are written and read through the step's (as pipeline stages' are)
+        # (in the rules' layout, rows over the table's axis: no device holds a whole table for it)
+        mesh = self.placement.mesh
+        for t in self.tables.tables:
+            if t.marker is not None and state is not None:
+                rules = lambda v, axis=t.row_axis: dtensor.Layout([axis] + list(v.layout.sharding_specs[1:]), mesh)
+                copy = lambda x, source, layout, axis=t.row_axis: submesh.copy(x, source, layout, axis)
+                state.save_through([t.variable] + [update.optimizer.get_slot(t.variable, n) for n in t.rule.slots],
+                                   mesh, rules, copy)
         self._homes = TableHomes(self._positions)
+
+    def variable_layouts(self, model, layouts: Mapping) -> dict:
+        """With sharding.tables='whole': each table's layout on its position's sub-mesh
+        (tfpod.embedding.whole); else none (the rules' layouts)."""
+        if self.placement.tables != "whole":
+            return {}
+        tables = {var_name(t.embeddings): compat.inner_variable(t.embeddings) for t in find_layers(model)}
+        return whole.layouts(list(tables), layouts, {n: tuple(v.shape) for n, v in tables.items()},
+                             {n: v.dtype.size for n, v in tables.items()}, self.placement.mesh)
 
     @property
     def homes(self) -> TableHomes:
@@ -113,10 +138,10 @@ class TablesExecutor(OneMesh):
             loss, grads = super().loss_and_gradients(features)
         mesh = self.placement.mesh
         replicated = lambda t: dtensor.relayout(t, dtensor.Layout.replicated(mesh, t.shape.rank))
-        for j in self._positions:
+        for j, width in zip(self._positions, self._widths):
             g, v = grads[j], self.variables[j]
             if g is None:  # not looked up in this step
-                rows = Rows(tf.zeros([0], tf.int32), tf.zeros([0, v.shape[-1]], v.dtype))
+                rows = Rows(tf.zeros([0], tf.int32), tf.zeros([0, width], v.dtype))
             else:
                 rows = Rows(tf.cast(g.indices, tf.int32), g.values)
             grads[j] = dedupe(Rows(replicated(rows.ids), replicated(rows.values)))

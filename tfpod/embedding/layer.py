@@ -40,12 +40,16 @@ class LookupScope:
       partials: {id(layer): DTensor of the layer's partial lookups [row shards, batch, ...]}.
       output_layouts: {id(layer): the layout of the layer's output (batch split as the batch)}.
       table_layers: {id of a table's DVariable: id of its layer} (Tables.scope sets it).
+      markers: {id(layer): a scalar DVariable on the step's mesh} for tables on other meshes
+        (tfpod.embedding.whole): the layer reads it in place of its table, and the table's
+        gradient rows are the marker's.
     """
 
     def __init__(self, partials: Mapping[int, tf.Tensor], output_layouts: Mapping[int, dtensor.Layout]):
         self.partials = dict(partials)
         self.output_layouts = dict(output_layouts)
         self.table_layers: dict[int, int] = {}
+        self.markers: dict[int, object] = {}
 
 
 def active_scope() -> LookupScope | None:
@@ -131,8 +135,10 @@ def from_partials(layer: TableLayer, ids, scope: LookupScope) -> tf.Tensor:
     valid = ids >= 0  # [batch, hot]
     count = tf.maximum(tf.reduce_sum(tf.cast(valid, tf.float32), axis=1), 1.0)  # [batch]
     mean = pooled and layer.combiner == "mean"
-    table = compat.inner_variable(layer.embeddings)  # (under mixed precision: not a cast of the whole table)
-    shape = table.shape.as_list()
+    shape = compat.inner_variable(layer.embeddings).shape.as_list()
+    table = scope.markers.get(id(layer))  # a table on another mesh: its marker is read instead
+    if table is None:
+        table = compat.inner_variable(layer.embeddings)  # (under mixed precision: not a cast of the whole table)
 
     @tf.custom_gradient
     def output(x):

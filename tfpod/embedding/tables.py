@@ -2,7 +2,9 @@
 
 A table is a DVariable [rows, width] laid out by the rules like any weight: rows split
 over a mesh axis (row-wise), columns split (column-wise, for wide tables), both, or
-neither (replicated). DTensor has no sparse op on a split variable ("ResourceGather:
+neither (replicated); or, with sharding.tables='whole', whole on the devices of one
+position of its rows' axis (table-wise, on a sub-mesh: tfpod.embedding.whole), where the
+other devices hold none of its rows and look up zeros. DTensor has no sparse op on a split variable ("ResourceGather:
 DTensor does not support sharded 0th dimension", "ResourceScatterAdd does not implement
 layout propagation"), and its functional scatter gathers the whole table to every
 device. So the table's shards are reached directly: `dtensor.unpack` of the
@@ -38,6 +40,7 @@ from tensorflow.experimental import dtensor
 
 from tfpod import UserError, compat, runtime
 from tfpod.embedding import layer as layer_lib
+from tfpod.partitioning import submesh
 from tfpod.embedding.sparse import SparseRule, rule_for, sparse_apply
 from tfpod.partitioning.rules import layout_for
 
@@ -66,6 +69,7 @@ class Table:
     col_axis: str | None
     shards: list
     pooled: bool | None = None  # a combiner, or one id per example (set at the first lookup)
+    marker: object = None  # a whole table's (on a sub-mesh): what the step reads in its place
 
     @property
     def name(self) -> str:
@@ -89,18 +93,33 @@ def find_layers(model) -> list:
 
 
 def _shards(variable, slots: Sequence, mesh) -> tuple[str | None, str | None, list]:
+    """(row axis, column axis, a Shard per local device of `mesh`) of a table: its rows split
+    over the row axis, or (on a sub-mesh, tfpod.embedding.whole) whole on the devices at its
+    position of that axis, where every other device holds none of its rows (handle None)."""
     inner = compat.inner_variable(variable)
     layout = dtensor.fetch_layout(inner)
-    row_axis, col_axis = [None if s == dtensor.UNSHARDED else s for s in layout.sharding_specs]
     rows, width = inner.shape.as_list()
-    per_rows = rows // (mesh.dim_size(row_axis) if row_axis else 1)
-    per_cols = width // (mesh.dim_size(col_axis) if col_axis else 1)
     handles = dtensor.unpack(inner.handle)
     slot_handles = [dtensor.unpack(compat.inner_variable(s).handle) for s in slots]
+    col_axis = None if layout.sharding_specs[1] == dtensor.UNSHARDED else layout.sharding_specs[1]
+    per_cols = width // (mesh.dim_size(col_axis) if col_axis else 1)
+    at = submesh.position(layout.mesh, mesh)
+    placed = at and at[0]
+    if placed is not None:
+        row_axis, per_rows = placed, rows
+        component = {submesh.canonical(d): k for k, d in enumerate(layout.mesh.local_devices())}
+    else:
+        row_axis = None if layout.sharding_specs[0] == dtensor.UNSHARDED else layout.sharding_specs[0]
+        per_rows = rows // (mesh.dim_size(row_axis) if row_axis else 1)
+        component = {submesh.canonical(d): k for k, d in enumerate(mesh.local_devices())}
     shards = []
-    for k, (device, loc) in enumerate(zip(mesh.local_devices(), mesh.local_device_locations())):
-        r = loc[row_axis] if row_axis else 0
+    for device, loc in zip(mesh.local_devices(), mesh.local_device_locations()):
         c = loc[col_axis] if col_axis else 0
+        k = component.get(submesh.canonical(device))
+        if k is None:  # a whole table's: none of its rows here
+            shards.append(Shard(device, None, (), 0, 0, c * per_cols, (c + 1) * per_cols))
+            continue
+        r = 0 if placed is not None else (loc[row_axis] if row_axis else 0)
         shards.append(Shard(device, handles[k], tuple(h[k] for h in slot_handles), r * per_rows, (r + 1) * per_rows,
                             c * per_cols, (c + 1) * per_cols))
     return row_axis, col_axis, shards
@@ -110,12 +129,14 @@ def _shard_lookup(shard: Shard, ids: tf.Tensor, dtype, pooled: bool) -> tf.Tenso
     """One device's partial lookup: ids [batch, hot] -> [1, batch, width] (pooled) or
     [1, batch, hot, width], from the rows its shard holds (zero elsewhere)."""
     batch, hot = tf.shape(ids)[0], tf.shape(ids)[1]
+    width = shard.col_hi - shard.col_lo
+    if shard.handle is None:  # no rows of this table here
+        return tf.zeros(tf.stack([1, batch, width]) if pooled else tf.stack([1, batch, hot, width]), dtype)
     flat = tf.reshape(ids, [-1])  # [batch * hot]
     owned = (flat >= shard.lo) & (flat < shard.hi)
     where = tf.cast(tf.where(owned)[:, 0], tf.int32)  # positions of the ids this shard holds
     local = tf.cast(tf.gather(flat, where), tf.int32) - shard.lo
     rows = tf.raw_ops.ResourceGather(resource=shard.handle, indices=local, dtype=dtype)  # [m, width]
-    width = shard.col_hi - shard.col_lo
     rows = tf.ensure_shape(rows, [None, width])
     if pooled:
         return tf.math.unsorted_segment_sum(rows, where // hot, batch)[None]  # [1, batch, width]
@@ -147,7 +168,13 @@ class Tables:
                 rule = rule_for(optimizer, variable)
                 slots = tuple(optimizer.get_slot(variable, name) for name in rule.slots)
             row_axis, col_axis, shards = _shards(variable, slots, self.mesh)
-            self.tables.append(Table(layer, variable, rule, row_axis, col_axis, shards))
+            marker = None
+            if dtensor.fetch_layout(compat.inner_variable(variable)).mesh != self.mesh:
+                # the step's one mesh cannot read the table: its layer reads this scalar instead,
+                # and the table's gradient rows come back as the marker's (tfpod.embedding.layer)
+                marker = dtensor.DVariable(dtensor.call_with_layout(tf.zeros, dtensor.Layout.replicated(self.mesh, 0),
+                                                                    []))
+            self.tables.append(Table(layer, variable, rule, row_axis, col_axis, shards, marker=marker))
         self._lookup = tf.function(self._lookups)
         self._apply = tf.function(self._apply_all)
         self._compiled = {}
@@ -228,6 +255,7 @@ class Tables:
             {id(t.layer): layout_for(("batch",) + (None,) * (len(partials[t.name].shape) - 2), table, self.mesh)
              for t in self.tables})
         scope.table_layers.update(self.variables())
+        scope.markers.update({id(t.layer): t.marker for t in self.tables if t.marker is not None})
         return scope
 
     # -- sparse updates ---------------------------------------------------------
@@ -239,6 +267,8 @@ class Tables:
             lr, finite, step = hyper[0], hyper[1] > 0, hyper[2]
             for table, ids, rows in zip(self.tables, ids_list, rows_list):
                 shard = table.shards[k]
+                if shard.handle is None:  # no rows of this table here
+                    continue
                 with tf.device(shard.device):
                     mine = (ids[k] >= shard.lo) & (ids[k] < shard.hi) & finite
                     local = tf.boolean_mask(ids[k], mine) - shard.lo

@@ -40,6 +40,7 @@ The modules, each usable on its own (this package re-exports their public names)
                attention) and shard / split / replicate of activations inside it
   spatial      convolutions and pooling on image rows split over a mesh axis (halo exchange)
   stages       the `stage` axis: pipeline stages' sub-meshes, copies between them
+  submesh      the devices at one position of an axis as a mesh, copies to and from it by pieces
   context      the `context` axis: sequences in balanced chunks (context parallelism)
   dropout      dropout masks a resumed run replays, the same on every mesh
   placement    Placement: the mesh, the table, the update and gather axes, and which
@@ -49,9 +50,9 @@ The modules, each usable on its own (this package re-exports their public names)
 
 from tfpod.partitioning.step_context import (activation_sharding, active_context, current_context, replicate, shard,
                                              split, tracing)
-from tfpod.partitioning import context, spatial, stages
+from tfpod.partitioning import context, spatial, stages, submesh
 from tfpod.partitioning.build import (build_sharded, compute_layout, gather_when_used, gathered_weights, rows_split,
-                                      lazy_model, update_layout, variable_specs)
+                                      lazy_model, update_layout, var_name, variable_specs)
 from tfpod.partitioning.dropout import counter_uniform, microbatch, replayable_dropout
 from tfpod.partitioning.placement import (Placement, batch_mesh_axis, check_microbatches, host_rows, local_shards,
                                          place, split_microbatches)
@@ -76,6 +77,7 @@ __all__ = [
     "rows_split",
     "update_layout",
     "variable_specs",
+    "var_name",
     "lazy_model",
     "counter_uniform",
     "microbatch",

@@ -15,6 +15,7 @@ import tensorflow as tf
 from tensorflow.experimental import dtensor
 
 from tfpod import compat
+from tfpod.partitioning import submesh
 from tfpod.partitioning.step_context import active_context, within
 from tfpod.partitioning.rules import AxisRule, VarSpec, resolve
 
@@ -84,6 +85,7 @@ def build_sharded(
     table: Mapping[str, str | None],
     stage_meshes: Sequence[dtensor.Mesh] = (),
     stage_of=None,
+    placed=None,
 ):
     """Builds a tf_keras model whose variables are DVariables laid out by the rules.
 
@@ -101,6 +103,9 @@ def build_sharded(
       stage_meshes: pipeline stages' meshes (`mesh` is the first's); with them,
       stage_of: lazy model -> {id of each variable: its stage} (tfpod.pipeline): each
         variable is laid out by the rules on its stage's mesh.
+      placed: (lazy model, {name: layout by the rules}) -> {name: layout} of the variables
+        an executor places elsewhere (embedding tables whole on sub-meshes:
+        tfpod.embedding.whole); None: none.
 
     Returns:
       (model, specs, layouts): the built model, its VarSpecs and {name: Layout}.
@@ -122,6 +127,13 @@ def build_sharded(
                 raise ValueError(f"variable {var_name(v)} belongs to no pipeline stage (StagedModel's layers)")
             layouts[var_name(v)] = dtensor.Layout(list(layouts[var_name(v)].sharding_specs),
                                                    stage_meshes[owner[id(_unwrap(v))]])
+    if placed is not None:
+        moved = placed(model, layouts)
+        for _, v in by_id.values():
+            name, inner = var_name(v), _unwrap(v)
+            if name in moved and callable(inner._initial_value):
+                inner._initial_value = _moved_initial_value(inner._initial_value, layouts[name], moved[name])
+        layouts.update(moved)
     path_layouts = {path: layouts[var_name(v)] for path, v in pairs}
 
     class _Exact(compat.layout_map_lib().LayoutMap):
@@ -137,6 +149,19 @@ def build_sharded(
     compat.place_model_variables(model, exact)
     compat.set_layout_map(model, exact)  # Keras-created counters become replicated DVariables
     return model, specs, layouts
+
+
+def _moved_initial_value(init, source: dtensor.Layout, target: dtensor.Layout):
+    """`init` for a variable on `target` (a sub-mesh at one position of the axis `source`
+    splits its rows over): computed on the rules' layout `source`, so with the values a run
+    without the move draws, then copied to the sub-mesh by pieces (submesh.copy)."""
+
+    def value():
+        with dtensor.default_mesh(source.mesh):
+            x = dtensor.relayout(init(), source)
+        return submesh.copy(x, source.mesh, target, source.sharding_specs[0])
+
+    return value
 
 
 def rows_split(variable) -> bool:

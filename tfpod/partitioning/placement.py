@@ -119,6 +119,8 @@ class Placement:
       attention: the attention kernel every step compiled here traces with
         (tfpod.attention.AttentionConfig, gin `attention.*`; None: its defaults), a field
         of the step context like the mesh and the table.
+      tables: embedding tables split by "rows" over their axis, or "whole" on its
+        positions (table-wise; ShardingConfig.tables).
     """
 
     mesh: dtensor.Mesh
@@ -128,6 +130,7 @@ class Placement:
     stages: tuple = ()
     preset: Preset | None = None
     attention: Any = None
+    tables: str = "rows"
 
     def __post_init__(self):
         if self.preset is None:
@@ -163,7 +166,7 @@ class Placement:
             mesh = stages[0]
         preset = config.preset_for(default_preset)
         placement = cls(mesh, config.table(preset, mesh.dim_names), config.update_axis_of(preset), preset.gather_axis,
-                        stages if len(stages) > 1 else (), preset, attention)
+                        stages if len(stages) > 1 else (), preset, attention, config.tables)
         if config.sequence_parallel and CONTEXT_AXIS in mesh.dim_names and placement.table.get("sequence") == CONTEXT_AXIS:
             logging.getLogger("tfpod").warning("sharding.sequence_parallel=True on a mesh with a `context` axis: the stream between "
                             "blocks is split along the sequence over `context` already, not also over `model` "

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import collections
 import math
 from typing import Iterable, Mapping, Sequence
 
+import numpy as np
 import tensorflow as tf
 from tensorflow.experimental import dtensor
 
+from tfpod.partitioning import submesh
 from tfpod.partitioning.rules import VarSpec, shape_text
 
 # Layout report
@@ -31,6 +34,19 @@ def human_bytes(n: float) -> str:
     return str(n)
 
 
+def _most(device_bytes: Mapping, mesh) -> int:
+    """The most bytes a device of `mesh` holds: what all hold (key None) and, per device,
+    what the sub-meshes at its positions hold (keys (axis, position))."""
+    if mesh is None:
+        return 0
+    names = list(mesh.dim_names)
+    most = 0
+    for c in np.ndindex(*[mesh.dim_size(n) for n in names]):
+        loc = dict(zip(names, c))
+        most = max(most, sum(b for k, b in device_bytes.items() if k is None or loc[k[0]] == k[1]))
+    return most
+
+
 def layout_report(
     specs: Iterable[VarSpec],
     layouts: Mapping[str, dtensor.Layout],
@@ -48,20 +64,25 @@ def layout_report(
         from tfpod.partitioning.stages import stage_index
 
         stage_of = {s.name: stage_index(layouts[s.name], stages) for s in specs}
+    mesh = max((layouts[s.name].mesh for s in specs), key=lambda m: m.size, default=None)
+    # variables on a sub-mesh at one position of an axis (embedding tables placed whole)
+    at = {} if stages or mesh is None else {s.name: submesh.position(layouts[s.name].mesh, mesh) for s in specs}
     rows = []
-    total_params = total_bytes = device_bytes = 0
+    total_params = total_bytes = 0
+    device_bytes = collections.Counter()  # everywhere (None), and per (axis, position) of a sub-mesh
     for s in specs:
         layout = layouts[s.name]
         per_dev = bytes_per_device(s.shape, s.dtype, layout)
         n = math.prod(s.shape)
         total_params += n
         total_bytes += n * s.dtype.size
-        device_bytes += per_dev
-        row = (s.name, shape_text(s.shape), "[" + ", ".join(layout.sharding_specs) + "]", human_bytes(per_dev))
+        where = at.get(s.name)
+        device_bytes[where] += per_dev
+        text = "[" + ", ".join(layout.sharding_specs) + "]" + (f" on {where[0]}={where[1]}" if where else "")
+        row = (s.name, shape_text(s.shape), text, human_bytes(per_dev))
         rows.append(row + ((str(stage_of[s.name]),) if stages else ()))
     header = ("variable", "global shape", "layout", "bytes/device") + (("stage",) if stages else ())
     widths = [max(len(r[i]) for r in rows + [header]) for i in range(len(header))]
-    mesh = next(iter(layouts.values())).mesh if layouts else None
     axes = ",".join(f"{n}:{mesh.dim_size(n)}" for n in mesh.dim_names) if mesh else ""
     if stages:
         axes = f"stage:{len(stages)},{axes}"
@@ -74,7 +95,8 @@ def layout_report(
                  for i in range(len(stages))]
     lines.append(
         f"# total: {len(specs)} variables, {total_params:,} parameters, {human_bytes(total_bytes)}; "
-        f"per device: {human_bytes(max(per_stage) if stages else device_bytes)}" + (" (the largest stage)" if stages else "")
+        f"per device: {human_bytes(max(per_stage) if stages else _most(device_bytes, mesh))}"
+        + (" (the largest stage)" if stages else " (the most any device holds)" if len(device_bytes) > 1 else "")
     )
     for i in range(len(stages)):
         held = [s for s in specs if stage_of[s.name] == i]

@@ -32,6 +32,10 @@ class ShardingConfig:
       pipeline_schedule: with a `stage` mesh axis, the order each stage runs its
         microbatches in: "gpipe" (all forwards, then all backwards) or "1f1b" (one
         forward, one backward: at most `stage` microbatches' activations alive).
+      tables: how embedding tables (tfpod.embedding) lie over the mesh axis their rows map
+        to: "rows" (each device holds 1/S of every table's rows) or "whole" (table-wise:
+        each table whole on the devices of one position of that axis, balanced by bytes;
+        tfpod.embedding.whole).
     """
 
     preset: str | None = None
@@ -39,8 +43,12 @@ class ShardingConfig:
     sequence_parallel: bool = False
     update_axis: str | None = None
     pipeline_schedule: str = "gpipe"
+    tables: str = "rows"
 
     def __post_init__(self):
+        if self.tables not in ("rows", "whole"):
+            raise UserError(f"sharding.tables={self.tables!r}: use 'rows' (each device holds 1/S of every table's "
+                            "rows) or 'whole' (table-wise: each table whole on the devices of one position of its axis)")
         if self.pipeline_schedule not in PIPELINE_SCHEDULES:
             raise UserError(f"sharding.pipeline_schedule={self.pipeline_schedule!r}: use one of "
                             f"{', '.join(PIPELINE_SCHEDULES)}")

@@ -173,7 +173,8 @@ def stage_index(layout: dtensor.Layout, meshes: Sequence[dtensor.Mesh]) -> int:
     raise ValueError(f"layout on a mesh that is not a stage: {layout.mesh}")
 
 
-def save_through(variable, mesh: dtensor.Mesh, restored: list) -> None:
+def save_through(variable, mesh: dtensor.Mesh, restored: list, target: dtensor.Layout | None = None,
+                 copy=None) -> None:
     """Makes checkpoints write and read `variable` (a DVariable on another stage) on `mesh`.
 
     One checkpoint save or restore names its files on one mesh (DTensor places the
@@ -186,18 +187,22 @@ def save_through(variable, mesh: dtensor.Mesh, restored: list) -> None:
     unpipelined run, so checkpoints move between pipelined and unpipelined meshes both ways.
     While a checkpoint is written or read, the first stage's devices also hold the other
     stages' state.
+
+    `target` (a layout on `mesh`'s host mesh) and `copy` ((tensor, its mesh, layout) ->
+    tensor) hold it otherwise: by default in its own sharding, copied by `to_mesh`.
     """
     inner = compat.inner_variable(variable)
     own = inner.layout
     if same_mesh(own.mesh, mesh):
         return
     host = mesh if mesh.device_type().upper() == "CPU" else mesh.host_mesh()
-    target = moved(own, host)
+    target = target or moved(own, host)
+    copy = copy or to_mesh
 
     class Saveable(compat.saveable_object_class()):
         def __init__(self, name):
             # made eagerly, now: TF's save and restore functions then hold no variable of another stage
-            self.holder = dtensor.DVariable(to_mesh(inner.read_value(), own.mesh, target), trainable=False)
+            self.holder = dtensor.DVariable(copy(inner.read_value(), own.mesh, target), trainable=False)
             n = host.num_local_devices()
             scalar = dtensor.Layout.replicated(host, 0)
             spec = compat.dtensor_save_spec()(
@@ -208,7 +213,7 @@ def save_through(variable, mesh: dtensor.Mesh, restored: list) -> None:
 
         def restore(self, restored_tensors, restored_shapes):
             del restored_shapes
-            restored.append((inner, self.holder))
+            restored.append((inner, self.holder, copy))
             return self.holder.assign(restored_tensors[0])
 
     compat.set_checkpoint_saveable(inner, Saveable)
@@ -218,5 +223,5 @@ def apply_restored(restored: list) -> None:
     """Copies what the latest checkpoint restore read into the first stage's holders (the
     pairs `save_through` listed in `restored`) to their variables on the other stages."""
     while restored:
-        inner, holder = restored.pop()
-        inner.assign(to_mesh(holder.read_value(), holder.layout.mesh, inner.layout))
+        inner, holder, copy = restored.pop()
+        inner.assign(copy(holder.read_value(), holder.layout.mesh, inner.layout))
