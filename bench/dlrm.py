@@ -1,8 +1,8 @@
 """DLRM-style training with sharded embedding tables: tfpod against plain tf_keras, and table memory.
 
     python bench/dlrm.py [--rows=100000,1000000,4000000] [--meshes=data:1,data:4+model:2,data:8]
-        [--runs=keras_fit,tfpod] [--batch=512] [--warmup=8] [--steps=8] [--repeats=1]
-        [--exact_auc_examples=0]
+        [--runs=keras_fit,tfpod] [--table_axis=data] [--tables=whole] [--batch=512] [--warmup=8]
+        [--steps=8] [--repeats=1] [--exact_auc_examples=0]
 
 The model is issue 66's: 13 dense features through Dense(32); three one-hot categorical
 features with tables of `rows`, rows / 10 and 1,000 rows x 32; two DCN-v2 cross layers
@@ -17,12 +17,14 @@ binary cross-entropy; Adagrad 0.05 (tf_keras's); batch 512. Every run is the sam
               keras_fit's pregenerated batches (generating clicks costs ~9 ms a batch,
               which neither run's time includes):
               tables laid out by the dlrm task's rules (rows over `model`; on data:8
-              replicated, or over `data` with `--table_axis=data`), looked up and updated
+              replicated, or over `data` with `--table_axis=data`; with `--tables=whole` each
+              table whole on the devices of one position of that axis), looked up and updated
               on the devices that hold their shards (tfpod.embedding)
 
 Each runs `--warmup` steps (compiling) and then `--steps` timed steps (tfpod: one loop
 call of `--steps` steps, as train.steps_per_loop); the step time is the timed steps' wall
-time over their count (everything the loop does between steps included). Each process reports its peak RSS, and tfpod's runs the per-device bytes of the
+time over their count (everything the loop does between steps included). Each process
+reports its peak RSS, and tfpod's runs the most bytes any one device holds of the
 tables and their Adagrad accumulators from the run's own layouts.
 
 `--exact_auc_examples=N` also times tfpod.auc.exact_auc on N synthetic examples on one
@@ -109,13 +111,13 @@ def run_tfpod(args) -> dict:
     runtime.initialize(cpu_devices=devices, device_type="CPU")
     from tfpod import api, controller, mesh as meshlib, optimizers, partitioning
     from tfpod.models import dlrm
-    from tfpod.partitioning.report import bytes_per_device
+    from tfpod.partitioning import bytes_by_device
 
     cfg = model_config(args.rows)
     mesh = meshlib.make_mesh(mesh_spec)
     rules = {"vocab": args.table_axis} if args.table_axis else None
-    placement = partitioning.Placement.from_config(partitioning.ShardingConfig(preset="tensor", rules=rules),
-                                                   "tensor", mesh, check=False)
+    placement = partitioning.Placement.from_config(
+        partitioning.ShardingConfig(preset="tensor", rules=rules, tables=args.tables), "tensor", mesh, check=False)
     train_cfg = controller.TrainConfig(steps=args.warmup + args.steps, global_batch_size=args.batch, seed=0,
                                        steps_per_loop=args.steps, log_every=args.steps, checkpoint_every=10**9,
                                        synthetic_data=True,
@@ -140,14 +142,13 @@ def run_tfpod(args) -> dict:
     times = {r["step"]: r["time"] for r in records if r["kind"] == "train"}
     step = (times[args.warmup + args.steps] - times[args.warmup]) / args.steps
     trainer = run.trainer
-    table_bytes = sum(bytes_per_device(s.shape, s.dtype, trainer.layouts[s.name]) for s in trainer.specs
-                      if "table_" in s.name)
-    slot_bytes = sum(bytes_per_device(s.shape, s.dtype, trainer.state_layouts[s.name]) for s in trainer.state_specs
-                     if "table_" in s.name)
+    tables = bytes_by_device([s for s in trainer.specs if "table_" in s.name], trainer.layouts, mesh)
+    slots = bytes_by_device([s for s in trainer.state_specs if "table_" in s.name], trainer.state_layouts, mesh)
+    table_bytes, slot_bytes = max(tables), max(slots)
     total = sum(s.shape[0] * s.shape[1] * 4 for s in trainer.specs if "table_" in s.name)
     return {"step_time_s": step, "peak_rss_mb": peak_rss_mb(), "table_bytes_per_device": table_bytes,
             "slot_bytes_per_device": slot_bytes, "table_bytes_total": total,
-            "table_share_per_device": table_bytes / total}
+            "table_share_per_device": table_bytes / total, "table_bytes_mean_per_device": sum(tables) / len(tables)}
 
 
 def run_exact_auc(args) -> dict:
@@ -182,6 +183,7 @@ def main(argv=None):
     parser.add_argument("--meshes", default="data:1,data:4+model:2,data:8", help="tfpod's meshes ('+' for ',')")
     parser.add_argument("--runs", default="keras_fit,tfpod")
     parser.add_argument("--table_axis", default="", help="map the tables' rows (logical `vocab`) to this mesh axis")
+    parser.add_argument("--tables", default="rows", help="sharding.tables: rows, or whole (table-wise)")
     parser.add_argument("--batch", type=int, default=512)
     parser.add_argument("--warmup", type=int, default=8)
     parser.add_argument("--steps", type=int, default=8)
@@ -199,7 +201,8 @@ def main(argv=None):
         print(json.dumps(worker(args)), flush=True)
         return 0
     common = [f"--batch={args.batch}", f"--warmup={args.warmup}", f"--steps={args.steps}",
-              f"--table_axis={args.table_axis}", f"--exact_auc_examples={args.exact_auc_examples}"]
+              f"--table_axis={args.table_axis}", f"--tables={args.tables}",
+              f"--exact_auc_examples={args.exact_auc_examples}"]
     runs, failed = {}, False
     plan = []
     for rows in (int(r) for r in args.rows.split(",")):
@@ -230,7 +233,8 @@ def main(argv=None):
         if all(times):
             flat[f"{name}@{mesh}"] = max(times) / min(times)
     print(json.dumps({"runs": runs, "speed_vs_keras": speed, "flat": flat, "batch": args.batch,
-                      "warmup": args.warmup, "steps": args.steps, "table_axis": args.table_axis}), flush=True)
+                      "warmup": args.warmup, "steps": args.steps, "table_axis": args.table_axis,
+                      "tables": args.tables}), flush=True)
     return 1 if failed else 0
 
 

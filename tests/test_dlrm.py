@@ -143,7 +143,8 @@ def test_two_hosts_evaluate_every_example_once_and_the_served_model_agrees(tmp_p
     """Trained on Criteo-format files on one host (data:2,model:2), the checkpoint evaluates on 2
     hosts x 2 devices to the same exact AUC over the same examples; the exported SavedModel,
     fed the raw features, gives probabilities whose sklearn AUC is the run's; the 2 hosts then
-    train on (each reading its own rows, the tables' ids gathered across them)."""
+    train on with the tables placed whole (sharding.tables='whole'), with the losses they have
+    with the tables' rows split."""
     from sklearn.metrics import roc_auc_score
 
     paths, data = write_days(tmp_path / "data", rows=(256, 256, 200))
@@ -172,12 +173,21 @@ def test_two_hosts_evaluate_every_example_once_and_the_served_model_agrees(tmp_p
     features.update({f"cat_{t}": tf.constant(data[2][f"cat_{t}"][rows]) for t in range(3)})
     probabilities = served(**features)["probabilities"].numpy()
     assert roc_auc_score(data[2]["labels"][rows], probabilities) == pytest.approx(single["auc"], abs=1e-6)
-    # and 2 more steps trained on the 2 hosts (each reading its own rows; the tables' ids gathered across them)
+    # and 2 more steps trained on the 2 hosts with the tables placed whole over `model` (each host
+    # reading its own rows; the tables' ids gathered across them; each table's devices on both
+    # hosts): the losses of the 2 hosts going on from the same checkpoint with row-split tables
+    alone = str(tmp_path / "alone")
+    shutil.copytree(model_dir, alone)
     command = [a.replace("--mode=eval", "--mode=train").replace("train.steps=4", "train.steps=6") for a in command]
-    proc = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(command + ["--gin_param=sharding.tables='whole'"], cwd=ROOT, capture_output=True,
+                          text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     trained = losses(model_dir)
     assert sorted(trained)[-2:] == [5, 6] and all(np.isfinite(v) for v in trained.values())
+    proc = subprocess.run([a.replace(f"--model_dir={model_dir}", f"--model_dir={alone}") for a in command], cwd=ROOT,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    np.testing.assert_allclose([trained[s] for s in (5, 6)], [losses(alone)[s] for s in (5, 6)], rtol=2e-5)
 
 
 @pytest.mark.unit

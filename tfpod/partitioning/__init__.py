@@ -56,7 +56,7 @@ from tfpod.partitioning.build import (build_sharded, compute_layout, gather_when
 from tfpod.partitioning.dropout import counter_uniform, microbatch, replayable_dropout
 from tfpod.partitioning.placement import (Placement, batch_mesh_axis, check_microbatches, host_rows, local_shards,
                                          place, split_microbatches)
-from tfpod.partitioning.report import bytes_per_device, layout_report
+from tfpod.partitioning.report import bytes_by_device, bytes_per_device, layout_report
 from tfpod.partitioning.presets import PRESETS, Preset, get_preset
 from tfpod.partitioning.rules import (CONTEXT_AXIS, LOGICAL_AXES, AxisRule, VarSpec, check_mesh_axes, layout_for,
                                       resolve, rules_table)
@@ -89,6 +89,7 @@ __all__ = [
     "local_shards",
     "place",
     "split_microbatches",
+    "bytes_by_device",
     "bytes_per_device",
     "layout_report",
     "CONTEXT_AXIS",

@@ -34,17 +34,24 @@ def human_bytes(n: float) -> str:
     return str(n)
 
 
-def _most(device_bytes: Mapping, mesh) -> int:
-    """The most bytes a device of `mesh` holds: what all hold (key None) and, per device,
-    what the sub-meshes at its positions hold (keys (axis, position))."""
-    if mesh is None:
-        return 0
+def bytes_by_device(specs: Iterable[VarSpec], layouts: Mapping[str, dtensor.Layout], mesh: dtensor.Mesh) -> list[int]:
+    """The bytes each device of `mesh` holds of these variables (in the mesh's device order):
+    each variable's bytes per device on every device of `mesh`, or where it lies on a sub-mesh
+    at one position of an axis (an embedding table placed whole) on the devices there."""
+    held = collections.Counter()  # everywhere (None), and per (axis, position) of a sub-mesh
+    for s in specs:
+        held[submesh.position(layouts[s.name].mesh, mesh)] += bytes_per_device(s.shape, s.dtype, layouts[s.name])
     names = list(mesh.dim_names)
-    most = 0
+    out = []
     for c in np.ndindex(*[mesh.dim_size(n) for n in names]):
         loc = dict(zip(names, c))
-        most = max(most, sum(b for k, b in device_bytes.items() if k is None or loc[k[0]] == k[1]))
-    return most
+        out.append(sum(b for k, b in held.items() if k is None or loc[k[0]] == k[1]))
+    return out
+
+
+def most_bytes(specs: Iterable[VarSpec], layouts: Mapping[str, dtensor.Layout], mesh: dtensor.Mesh) -> int:
+    """The most bytes any one device of `mesh` holds of these variables (`bytes_by_device`)."""
+    return max(bytes_by_device(specs, layouts, mesh), default=0)
 
 
 def layout_report(
@@ -69,7 +76,6 @@ def layout_report(
     at = {} if stages or mesh is None else {s.name: submesh.position(layouts[s.name].mesh, mesh) for s in specs}
     rows = []
     total_params = total_bytes = 0
-    device_bytes = collections.Counter()  # everywhere (None), and per (axis, position) of a sub-mesh
     for s in specs:
         layout = layouts[s.name]
         per_dev = bytes_per_device(s.shape, s.dtype, layout)
@@ -77,7 +83,6 @@ def layout_report(
         total_params += n
         total_bytes += n * s.dtype.size
         where = at.get(s.name)
-        device_bytes[where] += per_dev
         text = "[" + ", ".join(layout.sharding_specs) + "]" + (f" on {where[0]}={where[1]}" if where else "")
         row = (s.name, shape_text(s.shape), text, human_bytes(per_dev))
         rows.append(row + ((str(stage_of[s.name]),) if stages else ()))
@@ -95,8 +100,8 @@ def layout_report(
                  for i in range(len(stages))]
     lines.append(
         f"# total: {len(specs)} variables, {total_params:,} parameters, {human_bytes(total_bytes)}; "
-        f"per device: {human_bytes(max(per_stage) if stages else _most(device_bytes, mesh))}"
-        + (" (the largest stage)" if stages else " (the most any device holds)" if len(device_bytes) > 1 else "")
+        f"per device: {human_bytes(max(per_stage) if stages else most_bytes(specs, layouts, mesh) if mesh else 0)}"
+        + (" (the largest stage)" if stages else " (the most any device holds)" if any(at.values()) else "")
     )
     for i in range(len(stages)):
         held = [s for s in specs if stage_of[s.name] == i]
