@@ -3,6 +3,7 @@ device's, exact resume, checkpoints moving between meshes, the tiny recipe reach
 teacher's AUC, the reference's Criteo multi-hot files read per host with their position
 checkpointed, two hosts evaluating every example once, and the served model."""
 
+import collections
 import json
 import os
 import re
@@ -194,7 +195,8 @@ def test_two_hosts_evaluate_every_example_once_and_the_served_model_agrees(tmp_p
 def test_planner_counts_tables_slots_and_lookup_traffic():
     """The MLPerf configuration planned on 8 H100s: each device holds 1/8 of the tables and of
     their Adagrad accumulators, no dense table gradient, the lookups' reduction over `model`;
-    --mesh=auto's search refuses layouts tables cannot train with and picks one that fits."""
+    with the tables placed whole, the most loaded device's tables (the largest alone); --mesh=auto's
+    search refuses layouts tables cannot train with, weighs both placements and picks one that fits."""
     from tfpod import plan
     from tfpod.api import load_configs
     from tfpod.plan.search import search
@@ -204,9 +206,22 @@ def test_planner_counts_tables_slots_and_lookup_traffic():
     configs = load_configs(["gin/dlrm_dcnv2.gin"], [], "")
     p = plan.predict(configs, "data:1,model:8", "h100", 8)["plan"]
     table_bytes = sum(configs.model.padded_rows) * 128 * 4
-    assert p["breakdown"]["tables"] == {"count": 26, "weights": table_bytes // 8, "slots": table_bytes // 8}
+    assert p["breakdown"]["tables"] == {"count": 26, "weights": table_bytes // 8, "slots": table_bytes // 8,
+                                        "placement": "rows"}
+    # tables placed whole: a device holds the tables at its position, the most loaded one counted
+    from tfpod.embedding import whole
+
+    placed = plan.predict(load_configs(["gin/dlrm_dcnv2.gin"], ["sharding.tables='whole'"], ""), "data:1,model:8",
+                          "h100", 8)["plan"]["breakdown"]["tables"]
+    sizes = {str(t): r * 128 * 4 for t, r in enumerate(configs.model.padded_rows)}
+    load = collections.Counter()
+    for t, position in whole.positions(sizes, 8).items():
+        load[position] += sizes[t]
+    assert placed == {"count": 26, "weights": max(load.values()), "slots": max(load.values()), "placement": "whole"}
+    assert max(load.values()) == max(sizes.values()) > table_bytes // 8  # the largest table alone
     assert p["per_device_bytes"]["gradients"] < 100 * 2**20  # the MLPs' alone
     assert "all_reduce over 'model' (activations)" in p["breakdown"]["time"]["collectives"]
     assert not plan.predict(configs, "data:8", "h100", 8)["fits"]  # replicated tables do not fit
-    best, _ = search(Planner(configs, get("h100"), 8))
+    best, top = search(Planner(configs, get("h100"), 8))
     assert best["fits"] and best["preset"] in ("tensor", "2d") and "model" in best["mesh"]
+    assert {p["breakdown"]["tables"]["placement"] for p in top} == {"rows", "whole"}  # both placements weighed

@@ -178,13 +178,14 @@ def choose_for_run(configs, mesh_spec: str, info, model_dir: str) -> str:
             raise UserError(describe_best(best, top, info.num_global_devices))
         plan = best
         choice = Choice(best["mesh"], best["preset"], best["sequence_parallel"],
-                        best["remat"] if configs.task.recomputes else None, best["microbatches"])
+                        best["remat"] if configs.task.recomputes else None, best["microbatches"],
+                        best["breakdown"]["tables"]["placement"] if configs.task.sparse_tables else None)
     configs.model, configs.train, configs.sharding = planner.configs_for(choice)
     if plan is not None and model_dir and info.client_id == 0:
         os.makedirs(model_dir, exist_ok=True)
         _write_json(os.path.join(model_dir, PLAN_FILE), dict(plan, trained_with=dict(
             mesh=choice.mesh, preset=choice.preset, sequence_parallel=choice.sequence_parallel, remat=choice.remat,
-            microbatches=choice.microbatches)))
+            microbatches=choice.microbatches, tables=choice.tables)))
     return choice.mesh
 
 

@@ -16,6 +16,7 @@ them for --mesh=auto).
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import logging
 import math
@@ -52,9 +53,12 @@ class Choice:
     sequence_parallel: bool | None = None
     remat: bool | None = None
     microbatches: int | None = None
+    tables: str | None = None  # embedding tables: "rows" or "whole" (sharding.tables)
 
     def describe(self) -> str:
         parts = [self.mesh, f"preset={self.preset}"]
+        if self.tables == "whole":
+            parts.append("tables=whole")
         if self.sequence_parallel:
             parts.append("sequence_parallel")
         if self.remat:
@@ -156,7 +160,39 @@ class Planner:
                 sharding, preset=choice.preset if choice.preset is not None else sharding.preset,
                 sequence_parallel=(choice.sequence_parallel if choice.sequence_parallel is not None
                                    else sharding.sequence_parallel))
+        if choice.tables is not None:
+            sharding = dataclasses.replace(sharding, tables=choice.tables)
         return model, train, sharding
+
+    def _heaviest_position(self, layouts: dict, mesh) -> list:
+        """The specs one device of the most loaded position holds with tables placed whole
+        (tfpod.embedding.whole): the other weights, and there the tables at that position,
+        each laid out whole (their rows not split).
+
+        Raises:
+          UserError: no table's rows map to a mesh axis (as training refuses).
+        """
+        from tensorflow.experimental import dtensor
+
+        from tfpod.embedding import whole
+
+        split = {n: layouts[n].sharding_specs[0] for n in self.sparse
+                 if layouts[n].sharding_specs[0] != dtensor.UNSHARDED}
+        if not split:
+            raise UserError("sharding.tables='whole': no table's rows map to a mesh axis on this mesh")
+        kept, heaviest = set(), {}
+        for axis in set(split.values()):
+            group = {s.name: math.prod(s.shape) * s.dtype.size for s in self.specs if split.get(s.name) == axis}
+            where = whole.positions(group, mesh.dim_size(axis))
+            load = collections.Counter()
+            for n, p in where.items():
+                load[p] += group[n]
+            top = max(load, key=lambda p: (load[p], -p))
+            kept |= {n for n, p in where.items() if p == top}
+            heaviest.update({n: axis for n in group})
+        for n in kept:
+            layouts[n] = dtensor.Layout([dtensor.UNSHARDED] + list(layouts[n].sharding_specs[1:]), mesh)
+        return [s for s in self.specs if s.name not in heaviest or s.name in kept]
 
     def plan(self, choice: Choice) -> dict:
         """The plan of one choice (plan.json's fields).
@@ -196,7 +232,8 @@ class Planner:
             check_microbatches(global_batch, shards, train.microbatches)
         # the weights' gradients are summed over every axis that splits the tokens: the batch's, and the sequence's
         token_axes = [a for a in (batch_axis, table.get("length") if context > 1 else None) if a]
-        state = memory.state_bytes(self.specs, layouts, stage_of, num_stages, c.optimizer, placement.update_axis,
+        specs = self._heaviest_position(layouts, mesh) if placement.tables == "whole" and self.sparse else self.specs
+        state = memory.state_bytes(specs, layouts, stage_of, num_stages, c.optimizer, placement.update_axis,
                                    placement.gather_axis, token_axes, self.sparse)
         remat = bool(model_config.remat) if task.recomputes else False
         acts = memory.activation_bytes(self.profile, global_batch, table, mesh, train.precision, remat, num_stages,
@@ -233,7 +270,7 @@ class Planner:
                                                        for a, b, k in state.gradient_sync],
                           "bandwidths": bandwidths, "device_spec": device.to_json(),
                           "tables": {"count": len(self.sparse), "weights": state.sparse,
-                                     "slots": state.sparse_slots},
+                                     "slots": state.sparse_slots, "placement": placement.tables},
                           "model_flops_per_step": flops_per_step},
         }
 

@@ -23,6 +23,7 @@ candidates, and the fastest that fits wins.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import logging
 from typing import Iterator
 
@@ -90,6 +91,7 @@ def candidates(planner: Planner, mesh: str | None = None, context: bool = False)
     if task.pipelines:
         names.insert(0, "stage")
     has_remat = task.recomputes
+    placements = ("rows", "whole") if task.sparse_tables else (None,)  # embedding tables' (sharding.tables)
     if mesh:
         specs = [mesh]
     else:
@@ -102,12 +104,12 @@ def candidates(planner: Planner, mesh: str | None = None, context: bool = False)
                 continue
             splits_model = "model" in sizes and "model" in preset.table.values()
             for sp in ((False, True) if splits_model and CONTEXT_AXIS not in sizes else (False,)):
-                for remat in ((False, True) if has_remat else (None,)):
+                for remat, tables in itertools.product((False, True) if has_remat else (None,), placements):
                     if stages > 1:
                         for m in (stages, 2 * stages, 4 * stages):  # plan() drops those the batch refuses
-                            yield Choice(spec, preset.name, sp, remat, m)
+                            yield Choice(spec, preset.name, sp, remat, m, tables)
                     else:
-                        yield Choice(spec, preset.name, sp, remat, None)
+                        yield Choice(spec, preset.name, sp, remat, None, tables)
 
 
 def _plans(planner: Planner, choice: Choice) -> list[tuple[Choice, dict]]:
