@@ -161,13 +161,18 @@ class TablesExecutor(OneMesh):
             return loss, norm, rows, hyper
 
         compiled = self.placement.compile(train_step)
+        traced = {}  # the step's concrete function per shapes of a loop call's inputs
 
         def run(packed, num_steps: int):
             stacked, ids = packed
             partials = tables.lookup_ids([i[0] for i in ids])
+            key = tuple(tuple((k, tuple(v.shape)) for k, v in sorted(d.items())) for d in (stacked, partials))
+            if key not in traced:
+                traced[key] = compiled.concrete(stacked, tf.constant(0), partials)
+            step_fn = traced[key]
             losses, norms = [], []
             for n in range(num_steps):
-                loss, norm, rows, hyper = compiled(stacked, tf.constant(n), partials)
+                loss, norm, rows, hyper = step_fn(stacked, tf.constant(n), partials)
                 following = [i[n + 1] for i in ids] if n + 1 < num_steps else None
                 partials = tables.apply([rows[p] for p in order], hyper, following)  # this step's rows, the next lookups
                 losses.append(loss)

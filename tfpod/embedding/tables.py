@@ -177,6 +177,7 @@ class Tables:
             self.tables.append(Table(layer, variable, rule, row_axis, col_axis, shards, marker=marker))
         self._lookup = tf.function(self._lookups)
         self._apply = tf.function(self._apply_all)
+        self._concrete = {}
         self._compiled = {}
 
     def __bool__(self) -> bool:
@@ -297,6 +298,10 @@ class Tables:
         """
         ids_list = [dtensor.unpack(i) for i, _ in rows]
         rows_list = [dtensor.unpack(v) for _, v in rows]
-        parts = self._apply(ids_list, rows_list, dtensor.unpack(hyper),
-                            None if next_ids is None else list(next_ids))
+        args = (ids_list, rows_list, dtensor.unpack(hyper), None if next_ids is None else list(next_ids))
+        # (its concrete function per shapes, called directly: no matching of the arguments each step)
+        key = tuple(tuple(x.shape) if x is not None else None for x in tf.nest.flatten(args[:2] + args[3:]))
+        if key not in self._concrete:
+            self._concrete[key] = self._apply.get_concrete_function(*args)
+        parts = self._concrete[key](*args)
         return None if parts is None else self._pack(parts)
