@@ -16,6 +16,11 @@ work runs outside the DTensor program):
   3. `Tables.apply`: every device updates its shards' touched rows and slots in place
      (nothing when the step was not finite), fused with the next step's lookups.
 
+A table placed whole on a sub-mesh (sharding.tables='whole', tfpod.embedding.whole) is
+never read by the step (one DTensor program takes one mesh's variables): its layer reads
+the table's marker, a scalar on the step's mesh, which stands in for it among the step's
+variables, and its rows come back as the marker's gradient.
+
 The loop runs the steps one call each on the host (the lookups and updates sit between
 them) and fetches the losses and norms once at its end. Evaluation packs each batch's
 partial lookups the same way and runs the forward pass in their lookup scope.
@@ -100,18 +105,20 @@ class TablesExecutor(OneMesh):
         for t in self.tables.tables:  # a whole table on another mesh: the step differentiates its marker
             if t.marker is not None:
                 self.variables[self._positions[by_variable[inner(t.variable)]]] = t.marker
+                if state is not None:
+                    self._save_through_step_mesh(t, update, state)
         self.sparse = frozenset(id(self.variables[j]) for j in self._positions)
-        # a checkpoint's save or restore names its files on one mesh: whole tables and their
-        # slots are written and read through the step's (as pipeline stages' are)
-        # (in the rules' layout, rows over the table's axis: no device holds a whole table for it)
-        mesh = self.placement.mesh
-        for t in self.tables.tables:
-            if t.marker is not None and state is not None:
-                rules = lambda v, axis=t.row_axis: dtensor.Layout([axis] + list(v.layout.sharding_specs[1:]), mesh)
-                copy = lambda x, source, layout, axis=t.row_axis: submesh.copy(x, source, layout, axis)
-                state.save_through([t.variable] + [update.optimizer.get_slot(t.variable, n) for n in t.rule.slots],
-                                   mesh, rules, copy)
         self._homes = TableHomes(self._positions)
+
+    def _save_through_step_mesh(self, table, update: optimizers.Update, state) -> None:
+        """A checkpoint's save or restore names its files on one mesh: a whole table and its
+        slots are written and read through the step's (as pipeline stages' are), held there in
+        the rules' layout (rows over the table's axis, so no device holds the whole table for
+        it) and copied piece by piece (partitioning.submesh.copy)."""
+        mesh, axis = self.placement.mesh, table.row_axis
+        variables = [table.variable] + [update.optimizer.get_slot(table.variable, n) for n in table.rule.slots]
+        state.save_through(variables, mesh, lambda v: dtensor.Layout([axis] + list(v.layout.sharding_specs[1:]), mesh),
+                           lambda x, source, layout: submesh.copy(x, source, layout, axis))
 
     def variable_layouts(self, model, layouts: Mapping) -> dict:
         """With sharding.tables='whole': each table's layout on its position's sub-mesh
