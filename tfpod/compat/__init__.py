@@ -28,7 +28,7 @@ from tfpod.compat.keras_layers import (assign_moving_average, build_layer, call_
                                        check_replayable_dropout, create_dvariable, dtensor_save_spec, first_paths,
                                        flatten, flatten_layers, inner_variable, intercept_variable_reads,
                                        intercepting_layer_builds, intercepting_layer_calls, is_functional, keras_mask,
-                                       layout_map_lib, layout_map_of, lazy_variable, no_autograph,
+                                       layout_map_lib, layout_map_of, lazy_initial_value, lazy_variable, no_autograph,
                                        normalization_inputs, normalization_shapes, place_model_variables,
                                        saveable_object_class, set_checkpoint_saveable, set_inner_variable,
                                        set_layout_map, set_lazy_initial_value, set_trainable, set_training_state,

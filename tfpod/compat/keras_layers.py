@@ -154,6 +154,13 @@ def lazy_variable():
     return tf_keras(private="dtensor.lazy_variable")
 
 
+def lazy_initial_value(variable):
+    """A lazy variable's initial value (a callable or a tensor); None for others."""
+    if not isinstance(variable, lazy_variable().LazyInitVariable):
+        return None
+    return variable._initial_value
+
+
 def set_lazy_initial_value(variable, value) -> bool:
     """Makes `value` a lazy variable's initial value (placed with it); False, nothing done, for others."""
     if not isinstance(variable, lazy_variable().LazyInitVariable):

@@ -4,10 +4,10 @@ A table is a DVariable [rows, width] laid out by the rules like any weight: rows
 over a mesh axis (row-wise), columns split (column-wise, for wide tables), both, or
 neither (replicated); or, with sharding.tables='whole', whole on the devices of one
 position of its rows' axis (table-wise, on a sub-mesh: tfpod.embedding.whole), where the
-other devices hold none of its rows and look up zeros. DTensor has no sparse op on a split variable ("ResourceGather:
-DTensor does not support sharded 0th dimension", "ResourceScatterAdd does not implement
-layout propagation"), and its functional scatter gathers the whole table to every
-device. So the table's shards are reached directly: `dtensor.unpack` of the
+other devices hold none of its rows and look up zeros. DTensor has no sparse op on a split
+variable ("ResourceGather: DTensor does not support sharded 0th dimension",
+"ResourceScatterAdd does not implement layout propagation"), and its functional scatter
+gathers the whole table to every device. So the table's shards are reached directly: `dtensor.unpack` of the
 DVariable's resource handle gives each local device's own shard as an ordinary
 resource, and ordinary TensorFlow functions run on them, one op group per device:
 
@@ -40,8 +40,8 @@ from tensorflow.experimental import dtensor
 
 from tfpod import UserError, compat, runtime
 from tfpod.embedding import layer as layer_lib
-from tfpod.partitioning import submesh
 from tfpod.embedding.sparse import SparseRule, rule_for, sparse_apply
+from tfpod.partitioning import submesh
 from tfpod.partitioning.rules import layout_for
 
 

@@ -130,9 +130,9 @@ def build_sharded(
     if placed is not None:
         moved = placed(model, layouts)
         for _, v in by_id.values():
-            name, inner = var_name(v), _unwrap(v)
-            if name in moved and callable(inner._initial_value):
-                inner._initial_value = _moved_initial_value(inner._initial_value, layouts[name], moved[name])
+            name, init = var_name(v), compat.lazy_initial_value(_unwrap(v))
+            if name in moved and callable(init):
+                compat.set_lazy_initial_value(_unwrap(v), _moved_initial_value(init, layouts[name], moved[name]))
         layouts.update(moved)
     path_layouts = {path: layouts[var_name(v)] for path, v in pairs}
 

@@ -47,8 +47,9 @@ class ShardingConfig:
 
     def __post_init__(self):
         if self.tables not in ("rows", "whole"):
-            raise UserError(f"sharding.tables={self.tables!r}: use 'rows' (each device holds 1/S of every table's "
-                            "rows) or 'whole' (table-wise: each table whole on the devices of one position of its axis)")
+            raise UserError(f"sharding.tables={self.tables!r}: use 'rows' (each device holds 1/S of every "
+                            "table's rows) or 'whole' (table-wise: each table whole on the devices of one "
+                            "position of its axis)")
         if self.pipeline_schedule not in PIPELINE_SCHEDULES:
             raise UserError(f"sharding.pipeline_schedule={self.pipeline_schedule!r}: use one of "
                             f"{', '.join(PIPELINE_SCHEDULES)}")
