@@ -44,8 +44,15 @@ MESHES = ("data:8", "batch:4,model:2")
 
 
 def build(name: str, size: int):
+    """The model, its layers named as in every other build: Keras numbers unnamed layers
+    (conv2d_95) per process, and the LayoutMap is made from the plain model's paths, so each
+    build starts from a cleared session (the distribution set, if any, set again)."""
     import keras
 
+    distribution = keras.distribution.distribution()
+    keras.backend.clear_session()
+    if distribution is not None:
+        keras.distribution.set_distribution(distribution)
     return getattr(keras.applications, name)(weights=None, input_shape=(size, size, 3), classes=5)
 
 
