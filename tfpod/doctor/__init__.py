@@ -138,6 +138,21 @@ def _agree(results: list[Result], mesh, num_hosts: int) -> Result:
     return Result("ok", "hosts", f"all {num_hosts} hosts passed every check")
 
 
+def leave_together(num_hosts: int, timeout_s: float = 10.0) -> None:
+    """With several hosts: returns once every host has got here, or after `timeout_s`
+    (a host that died, or whose runtime never started). TensorFlow's collectives pull a
+    peer's buffer, so a host that exits right after the last comparison can leave another
+    still reading from it ("could not compare ... (UnavailableError)", seen under load)."""
+    if num_hosts <= 1:
+        return
+    from tensorflow.python.eager import context
+
+    try:
+        context.context().wait_at_barrier("tfpod_doctor_done", int(timeout_s * 1000))
+    except Exception:  # noqa: BLE001  (no coordination service, a dead peer, the timeout: leave anyway)
+        pass
+
+
 def preflight(configs, model_dir: str, mode: str, options) -> None:
     """main.py's fast subset before a train or eval run (api.run's `check`): one log line
     when every check passes, else a UserError with the first failure's message (nothing
@@ -166,4 +181,4 @@ def preflight(configs, model_dir: str, mode: str, options) -> None:
              runtime_ms)
 
 
-__all__ = ["PREFLIGHT_MODES", "Result", "preflight", "run_checks"]
+__all__ = ["PREFLIGHT_MODES", "Result", "leave_together", "preflight", "run_checks"]

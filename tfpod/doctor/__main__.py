@@ -61,6 +61,7 @@ def main(argv) -> None:
                                     write_bytes=FLAGS.write_mb << 20, emit=emit)
         sys.stdout.flush()
         sys.stderr.flush()
+        doctor.leave_together(clients)
         # Now, not at the interpreter's exit: TensorFlow's multi-client teardown logs a warning
         # there, after the console filter has ended (nothing is left to clean up).
         os._exit(1 if any(r.failed for r in results) else 0)
