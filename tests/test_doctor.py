@@ -235,3 +235,15 @@ def test_the_fast_preflight_stops_a_run_before_anything_is_written(tmp_path):
     finally:
         if mounted:
             subprocess.run(["umount", str(model_dir)], check=True)
+
+
+def test_the_write_probe_removes_its_folders_but_the_preflight_keeps_them(tmp_path):
+    """The doctor leaves nothing; the preflight keeps the folder it made (the run makes it
+    anyway): with several hosts, one host's removal once pulled it from under another host's
+    write check ("cannot be written (No such file or directory)", seen in CI)."""
+    from tfpod.doctor import storage
+
+    storage.probe_write(str(tmp_path / "a" / "b"), 1, host_id=0)
+    assert os.listdir(tmp_path) == []
+    storage.probe_write(str(tmp_path / "a" / "b"), 1, host_id=0, keep_folders=True)
+    assert os.listdir(tmp_path / "a" / "b") == []  # the scratch file is gone, the folders stay

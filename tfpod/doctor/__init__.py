@@ -34,6 +34,7 @@ input files; no bandwidth. When all pass it logs one line; else the run stops wi
 from __future__ import annotations
 
 import logging
+import os
 import time
 
 from tfpod import UserError
@@ -104,7 +105,7 @@ def run_checks(configs, config_error: str | None, model_dir: str | None, mode: s
             add([Result("skip", "model_dir", "no --model_dir given: its space and speed are not checked")])
         if model_dir and mode in WRITING_MODES:
             add(storage.model_dir_checks(model_dir, _checkpoint(configs), configs.train.keep_checkpoints,
-                                         write_bytes, host_id))
+                                         write_bytes, host_id, keep_folders=fast))
         add(storage.input_checks(configs, mode, num_hosts, host_id,
                                  storage.FAST_INPUT_FILES if fast else None))
     if mesh is not None and not fast:
@@ -115,8 +116,6 @@ def run_checks(configs, config_error: str | None, model_dir: str | None, mode: s
 
 
 def _hosts() -> tuple[int, int]:
-    import os
-
     return int(os.environ.get("DTENSOR_NUM_CLIENTS", "1")), int(os.environ.get("DTENSOR_CLIENT_ID", "0"))
 
 
@@ -167,12 +166,18 @@ def preflight(configs, model_dir: str, mode: str, options) -> None:
     if mode not in PREFLIGHT_MODES or options.mesh is not None:
         return
     start = time.perf_counter()
+    existed = os.path.exists(model_dir)
     known = {}  # check -> when its result was known
     results = run_checks(configs, None, model_dir, mode, options.mesh_spec, options.cpu_devices, options.device_type,
                          bandwidth_bytes=0, write_bytes=0, fast=True,
                          emit=lambda r: known.setdefault(r.check, time.perf_counter()))
     failed = [r for r in results if r.failed]
     if failed:
+        if not existed:  # the write probe made it (kept while the hosts may still probe it): the run stops
+            try:
+                os.rmdir(model_dir)
+            except OSError:
+                pass
         more = f" (and {len(failed) - 1} more: python -m tfpod.doctor lists them)" if len(failed) > 1 else ""
         raise UserError(failed[0].message() + more)
     runtime_ms = (known["devices"] - known["gpu"]) * 1e3  # the run starts the runtime anyway

@@ -38,9 +38,12 @@ def _tree_bytes(folder: str) -> int:
     return total
 
 
-def probe_write(model_dir: str, size: int, host_id: int) -> float:
+def probe_write(model_dir: str, size: int, host_id: int, keep_folders: bool = False) -> float:
     """Writes `size` bytes (at least one) to a scratch file in model_dir, fsyncs and removes it;
-    folders it had to create are removed again. Returns the seconds the write and fsync took.
+    folders it had to create are removed again unless `keep_folders` (the preflight: the run
+    creates model_dir anyway, and with several hosts one host's removal could pull the
+    folder from under another host's own write check). Returns the seconds the write and
+    fsync took.
 
     Raises:
       OSError: model_dir cannot be created or written.
@@ -64,7 +67,7 @@ def probe_write(model_dir: str, size: int, host_id: int) -> float:
     finally:
         if os.path.exists(probe):
             os.remove(probe)
-        for folder in created:  # deepest first; a folder another host filled meanwhile stays
+        for folder in [] if keep_folders else created:  # deepest first; a folder another host filled meanwhile stays
             try:
                 os.rmdir(folder)
             except OSError:
@@ -72,7 +75,7 @@ def probe_write(model_dir: str, size: int, host_id: int) -> float:
 
 
 def model_dir_checks(model_dir: str, checkpoint: tuple[int, int] | str, keep: int, write_bytes: int,
-                     host_id: int) -> list[Result]:
+                     host_id: int, keep_folders: bool = False) -> list[Result]:
     """model_dir writable (and its write speed), and free space for keep + 1 checkpoints.
 
     Args:
@@ -83,9 +86,10 @@ def model_dir_checks(model_dir: str, checkpoint: tuple[int, int] | str, keep: in
         deletes the oldest.
       write_bytes: bytes the write-speed probe writes (a few bytes: writability only).
       host_id: this host (names the scratch file: hosts may share model_dir).
+      keep_folders: leave the folders the write probe created (probe_write).
     """
     try:
-        seconds = probe_write(model_dir, write_bytes, host_id)
+        seconds = probe_write(model_dir, write_bytes, host_id, keep_folders)
     except OSError as e:
         return [Result("FAIL", "model_dir", f"--model_dir={model_dir} cannot be written ({e.strerror or e})",
                        "pass a folder this process may create and write, e.g. on a local or mounted disk")]
