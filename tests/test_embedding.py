@@ -262,6 +262,8 @@ def test_tables_placed_whole_balance_by_bytes_and_refuse_in_one_line():
     from tfpod.embedding import whole
 
     assert whole.positions({"a": 10, "b": 6, "c": 5, "d": 1}, 2) == {"a": 0, "b": 1, "c": 1, "d": 0}
+    assert whole.heaviest({"a": 10, "b": 6, "c": 5, "d": 1}, 2) == ["a", "d"]  # 11 bytes against 11: the lowest
+    assert whole.heaviest({"a": 10, "b": 6, "c": 5}, 2) == ["b", "c"]
     mesh = make_mesh("data:4,model:2")
     sub = partitioning.submesh.at(mesh, "model", 1)
     assert sub.shape() == [4, 1] and [d[-5:] for d in sub.local_devices()] == ["CPU:1", "CPU:3", "CPU:5", "CPU:7"]

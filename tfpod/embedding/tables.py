@@ -92,10 +92,11 @@ def find_layers(model) -> list:
     return out
 
 
-def _shards(variable, slots: Sequence, mesh) -> tuple[str | None, str | None, list]:
-    """(row axis, column axis, a Shard per local device of `mesh`) of a table: its rows split
-    over the row axis, or (on a sub-mesh, tfpod.embedding.whole) whole on the devices at its
-    position of that axis, where every other device holds none of its rows (handle None)."""
+def _shards(variable, slots: Sequence, mesh) -> tuple[str | None, str | None, list, bool]:
+    """(row axis, column axis, a Shard per local device of `mesh`, whether it is whole) of a
+    table: its rows split over the row axis, or (on a sub-mesh, tfpod.embedding.whole) whole
+    on the devices at its position of that axis, where every other device holds none of its
+    rows (handle None)."""
     inner = compat.inner_variable(variable)
     layout = dtensor.fetch_layout(inner)
     rows, width = inner.shape.as_list()
@@ -122,7 +123,7 @@ def _shards(variable, slots: Sequence, mesh) -> tuple[str | None, str | None, li
         r = 0 if placed is not None else (loc[row_axis] if row_axis else 0)
         shards.append(Shard(device, handles[k], tuple(h[k] for h in slot_handles), r * per_rows, (r + 1) * per_rows,
                             c * per_cols, (c + 1) * per_cols))
-    return row_axis, col_axis, shards
+    return row_axis, col_axis, shards, placed is not None
 
 
 def _shard_lookup(shard: Shard, ids: tf.Tensor, dtype, pooled: bool) -> tf.Tensor:
@@ -167,9 +168,9 @@ class Tables:
             if optimizer is not None:
                 rule = rule_for(optimizer, variable)
                 slots = tuple(optimizer.get_slot(variable, name) for name in rule.slots)
-            row_axis, col_axis, shards = _shards(variable, slots, self.mesh)
+            row_axis, col_axis, shards, whole = _shards(variable, slots, self.mesh)
             marker = None
-            if dtensor.fetch_layout(compat.inner_variable(variable)).mesh != self.mesh:
+            if whole:
                 # the step's one mesh cannot read the table: its layer reads this scalar instead,
                 # and the table's gradient rows come back as the marker's (tfpod.embedding.layer)
                 marker = dtensor.DVariable(dtensor.call_with_layout(tf.zeros, dtensor.Layout.replicated(self.mesh, 0),

@@ -42,6 +42,30 @@ def positions(table_bytes: Mapping[str, int], size: int) -> dict[str, int]:
     return out
 
 
+def heaviest(table_bytes: Mapping[str, int], size: int) -> list[str]:
+    """The tables `positions` puts at the most loaded position (ties: the lowest), sorted."""
+    where = positions(table_bytes, size)
+    load = [0] * size
+    for name, p in where.items():
+        load[p] += table_bytes[name]
+    top = int(np.argmax(load))
+    return sorted(n for n, p in where.items() if p == top)
+
+
+def row_axes(names: Sequence[str], main: Mapping[str, dtensor.Layout]) -> dict[str, str]:
+    """{table: the mesh axis its rows are split over by the rules}, for the tables the rules split.
+
+    Raises:
+      UserError: no table's rows map to a mesh axis (nothing to place whole over).
+    """
+    axes = {n: main[n].sharding_specs[0] for n in names if main[n].sharding_specs[0] != dtensor.UNSHARDED}
+    if not axes:
+        raise UserError("sharding.tables='whole': no table's rows map to a mesh axis on this mesh, so there are no "
+                        "positions to place them on; map their rows' logical axis to one (e.g. "
+                        "sharding.rules={'vocab': 'data'}), or use sharding.tables='rows'")
+    return axes
+
+
 def layouts(names: Sequence[str], main: Mapping[str, dtensor.Layout], shapes: Mapping[str, tuple],
             itemsize: Mapping[str, int], mesh: dtensor.Mesh) -> dict[str, dtensor.Layout]:
     """{table: its layout on its position's sub-mesh}, from the tables' layouts by the rules.
@@ -57,11 +81,7 @@ def layouts(names: Sequence[str], main: Mapping[str, dtensor.Layout], shapes: Ma
     Raises:
       UserError: no table's rows map to a mesh axis (nothing to place whole over).
     """
-    axes = {n: main[n].sharding_specs[0] for n in names if main[n].sharding_specs[0] != dtensor.UNSHARDED}
-    if not axes:
-        raise UserError("sharding.tables='whole': no table's rows map to a mesh axis on this mesh, so there are no "
-                        "positions to place them on; map their rows' logical axis to one (e.g. "
-                        "sharding.rules={'vocab': 'data'}), or use sharding.tables='rows'")
+    axes = row_axes(names, main)
     out = {}
     for axis in sorted(set(axes.values())):
         if mesh.dim_size(axis) == 1:  # one position: the table is whole on every device already

@@ -16,7 +16,6 @@ them for --mesh=auto).
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import logging
 import math
@@ -164,10 +163,10 @@ class Planner:
             sharding = dataclasses.replace(sharding, tables=choice.tables)
         return model, train, sharding
 
-    def _heaviest_position(self, layouts: dict, mesh) -> list:
-        """The specs one device of the most loaded position holds with tables placed whole
-        (tfpod.embedding.whole): the other weights, and there the tables at that position,
-        each laid out whole (their rows not split).
+    def _heaviest_position(self, layouts: dict, mesh) -> tuple[list, dict]:
+        """(specs, layouts) of one device of the most loaded position with tables placed whole
+        (tfpod.embedding.whole): the other weights, and there the tables at that position, each
+        laid out whole (their rows not split).
 
         Raises:
           UserError: no table's rows map to a mesh axis (as training refuses).
@@ -176,23 +175,14 @@ class Planner:
 
         from tfpod.embedding import whole
 
-        split = {n: layouts[n].sharding_specs[0] for n in self.sparse
-                 if layouts[n].sharding_specs[0] != dtensor.UNSHARDED}
-        if not split:
-            raise UserError("sharding.tables='whole': no table's rows map to a mesh axis on this mesh")
-        kept, heaviest = set(), {}
+        split = whole.row_axes(self.sparse, layouts)
+        kept = set()
         for axis in set(split.values()):
-            group = {s.name: math.prod(s.shape) * s.dtype.size for s in self.specs if split.get(s.name) == axis}
-            where = whole.positions(group, mesh.dim_size(axis))
-            load = collections.Counter()
-            for n, p in where.items():
-                load[p] += group[n]
-            top = max(load, key=lambda p: (load[p], -p))
-            kept |= {n for n, p in where.items() if p == top}
-            heaviest.update({n: axis for n in group})
-        for n in kept:
-            layouts[n] = dtensor.Layout([dtensor.UNSHARDED] + list(layouts[n].sharding_specs[1:]), mesh)
-        return [s for s in self.specs if s.name not in heaviest or s.name in kept]
+            kept.update(whole.heaviest({s.name: math.prod(s.shape) * s.dtype.size for s in self.specs
+                                        if split.get(s.name) == axis}, mesh.dim_size(axis)))
+        layouts = {**layouts, **{n: dtensor.Layout([dtensor.UNSHARDED] + list(layouts[n].sharding_specs[1:]), mesh)
+                                 for n in kept}}
+        return [s for s in self.specs if s.name not in split or s.name in kept], layouts
 
     def plan(self, choice: Choice) -> dict:
         """The plan of one choice (plan.json's fields).
@@ -232,7 +222,9 @@ class Planner:
             check_microbatches(global_batch, shards, train.microbatches)
         # the weights' gradients are summed over every axis that splits the tokens: the batch's, and the sequence's
         token_axes = [a for a in (batch_axis, table.get("length") if context > 1 else None) if a]
-        specs = self._heaviest_position(layouts, mesh) if placement.tables == "whole" and self.sparse else self.specs
+        specs = self.specs
+        if placement.tables == "whole" and self.sparse:
+            specs, layouts = self._heaviest_position(layouts, mesh)
         state = memory.state_bytes(specs, layouts, stage_of, num_stages, c.optimizer, placement.update_axis,
                                    placement.gather_axis, token_axes, self.sparse)
         remat = bool(model_config.remat) if task.recomputes else False
