@@ -5,8 +5,9 @@ A step with tables is three calls per batch (tfpod.embedding.tables says why the
 work runs outside the DTensor program):
 
   1. `Tables.lookup`: each device's partial lookups from its own shards (an ordinary
-     TensorFlow function over the local devices), packed as DTensors and carried in the
-     step's batch (`PARTIALS` + the table's name);
+     TensorFlow function over the local devices), written on each device into DVariables
+     of their layouts (`Tables.hold`) that the step reads into its batch (`PARTIALS` + the
+     table's name): no DTensor is packed between steps;
   2. the compiled step, the Trainer's one step body: OneMesh's loss and gradients in the
      lookup scope of those partials, each table's gradient kept as rows (`Accumulation`'s
      `sparse`), gathered replicated and de-duplicated (`sparse.dedupe`); then
@@ -14,7 +15,8 @@ work runs outside the DTensor program):
      dense gradients and the de-duplicated rows, clipping, the dense weights' update when
      finite, and the scaled rows with [lr, finite, step] returned by the compiled step;
   3. `Tables.apply`: every device updates its shards' touched rows and slots in place
-     (nothing when the step was not finite), fused with the next step's lookups.
+     (nothing when the step was not finite), fused with the next step's lookups into
+     those DVariables.
 
 A table placed whole on a sub-mesh (sharding.tables='whole', tfpod.embedding.whole) is
 never read by the step (one DTensor program takes one mesh's variables): its layer reads
@@ -160,9 +162,20 @@ class TablesExecutor(OneMesh):
         del steps_per_loop  # one compiled call per step, as many as the packed steps asked for
         tables, homes, order = self.tables, self._homes, self._order
 
-        def train_step(stacked, index, partials):
+        mesh = self.placement.mesh
+        indices = []  # step n's index into a loop call's batches, on the mesh (made once: no copy per step)
+
+        def index(n: int) -> tf.Tensor:
+            while len(indices) <= n:
+                indices.append(dtensor.copy_to_mesh(tf.constant(len(indices)), dtensor.Layout.replicated(mesh, 0)))
+            return indices[n]
+
+        held = {}  # per shapes of a loop call's inputs: the DVariables its steps' partial lookups are held in
+        current = []  # the Held of the step being traced
+
+        def train_step(stacked, index):
             batch = {k: tf.gather(v, index) for k, v in stacked.items()}
-            batch.update({PARTIALS + name: p for name, p in partials.items()})
+            batch.update({PARTIALS + name: p for name, p in current[-1].read().items()})
             loss, norm = step(batch)
             rows, hyper = homes.take()
             return loss, norm, rows, hyper
@@ -175,13 +188,17 @@ class TablesExecutor(OneMesh):
             partials = tables.lookup_ids([i[0] for i in ids])
             key = tuple(tuple((k, tuple(v.shape)) for k, v in sorted(d.items())) for d in (stacked, partials))
             if key not in traced:
-                traced[key] = compiled.concrete(stacked, tf.constant(0), partials)
-            step_fn = traced[key]
+                held[key] = tables.hold(partials)
+                current.append(held[key])
+                traced[key] = compiled.concrete(stacked, index(0))
+            else:
+                held[key].assign(partials)
+            step_fn, into = traced[key], held[key]
             losses, norms = [], []
             for n in range(num_steps):
-                loss, norm, rows, hyper = step_fn(stacked, tf.constant(n), partials)
+                loss, norm, rows, hyper = step_fn(stacked, index(n))
                 following = [i[n + 1] for i in ids] if n + 1 < num_steps else None
-                partials = tables.apply([rows[p] for p in order], hyper, following)  # this step's rows, the next lookups
+                tables.apply([rows[p] for p in order], hyper, following, into)  # this step's rows, the next lookups
                 losses.append(loss)
                 norms.append(norm)
             return (np.array([runtime.to_host(x) for x in losses], np.float32),
