@@ -279,3 +279,24 @@ def test_tables_placed_whole_balance_by_bytes_and_refuse_in_one_line():
     task.sparse_tables = False
     with pytest.raises(UserError, match=r"sharding.tables='whole': task 'm' has no embedding tables to place"):
         trainer.executor_for(task, placement)
+
+
+def test_the_loops_flat_call_gives_the_plain_calls_results():
+    """compat.flat_caller (the tables' host loop calls its concrete functions so): nested
+    arguments with None and NumPy leaves give the plain call's outputs; arguments the
+    signature flattens otherwise fall back to the plain call."""
+    from tfpod import compat
+
+    fn = tf.function(lambda d, xs, none, a: {"s": d["b"] - d["a"] + xs[0] * xs[1], "a": a * 2.0})
+    args = ({"b": tf.constant([3.0]), "a": tf.constant([1.0])}, [tf.constant(2.0), tf.constant(5.0)], None,
+            np.array([1.5], np.float32))
+    concrete = fn.get_concrete_function(*args)
+    fast = compat.flat_caller(concrete, *args)
+    assert fast is not concrete
+    again = ({"b": tf.constant([7.0]), "a": tf.constant([2.0])}, [tf.constant(1.0), tf.constant(3.0)], None,
+             np.array([4.0], np.float32))
+    got, want = fast(*again), concrete(*again)
+    assert got["s"].numpy().tolist() == want["s"].numpy().tolist() == [8.0]
+    assert got["a"].numpy().tolist() == want["a"].numpy().tolist() == [8.0]
+    scalar = tf.function(lambda x, n: x * n).get_concrete_function(tf.constant(2.0), 3)  # a Python value: bound
+    assert compat.flat_caller(scalar, tf.constant(2.0), 3) is scalar

@@ -46,6 +46,6 @@ from tfpod.compat.model_garden import (encoder_attention_mask, encoder_embedding
                                        position_embeddings, rename_layer, set_embedding_initializer, set_one_hot,
                                        set_transformer_layers, transformer_layers)
 from tfpod.compat.tf_core import (bleu_sentence_statistics, bound_objects, checkpoint_object_graph,
-                                  checkpoint_objects, dtensor_iterator_base, iterator_resource, onednn_enabled,
-                                  pack_resources, record_checkpoint, set_iterator_element_layouts,
+                                  checkpoint_objects, dtensor_iterator_base, flat_caller, iterator_resource,
+                                  onednn_enabled, pack_resources, record_checkpoint, set_iterator_element_layouts,
                                   share_variable_handle_programs, unary_dataset_base, variant_tensor)

@@ -190,7 +190,7 @@ class TablesExecutor(OneMesh):
             if key not in traced:
                 held[key] = tables.hold(partials)
                 current.append(held[key])
-                traced[key] = compiled.concrete(stacked, index(0))
+                traced[key] = compat.flat_caller(compiled.concrete(stacked, index(0)), stacked, index(0))
             else:
                 held[key].assign(partials)
             step_fn, into = traced[key], held[key]

@@ -337,6 +337,6 @@ class Tables:
         # (its concrete function per shapes, called directly: no matching of the arguments each step)
         key = tuple(tuple(x.shape) if x is not None else None for x in tf.nest.flatten(args[:2] + args[3:]))
         if key not in self._concrete:
-            self._concrete[key] = self._apply.get_concrete_function(*args)
+            self._concrete[key] = compat.flat_caller(self._apply.get_concrete_function(*args), *args)
         parts = self._concrete[key](*args)
         return None if parts is None or args[-1] is not None else self._pack(parts)
