@@ -247,3 +247,9 @@ def test_the_write_probe_removes_its_folders_but_the_preflight_keeps_them(tmp_pa
     assert os.listdir(tmp_path) == []
     storage.probe_write(str(tmp_path / "a" / "b"), 1, host_id=0, keep_folders=True)
     assert os.listdir(tmp_path / "a" / "b") == []  # the scratch file is gone, the folders stay
+    created = storage.missing_folders(str(tmp_path / "c" / "d"))
+    assert created == [str(tmp_path / "c" / "d"), str(tmp_path / "c")]  # deepest first
+    storage.probe_write(str(tmp_path / "c" / "d"), 1, host_id=0, keep_folders=True)
+    (tmp_path / "c" / "kept").write_text("another host's")
+    storage.remove_empty(created)  # a failed preflight's: its folders go, one filled meanwhile stays
+    assert sorted(os.listdir(tmp_path)) == ["a", "c"] and os.listdir(tmp_path / "c") == ["kept"]

@@ -165,19 +165,17 @@ def preflight(configs, model_dir: str, mode: str, options) -> None:
     """
     if mode not in PREFLIGHT_MODES or options.mesh is not None:
         return
+    from tfpod.doctor import storage
+
     start = time.perf_counter()
-    existed = os.path.exists(model_dir)
+    created = storage.missing_folders(model_dir)  # the write probe makes them, and keeps them for the run
     known = {}  # check -> when its result was known
     results = run_checks(configs, None, model_dir, mode, options.mesh_spec, options.cpu_devices, options.device_type,
                          bandwidth_bytes=0, write_bytes=0, fast=True,
                          emit=lambda r: known.setdefault(r.check, time.perf_counter()))
     failed = [r for r in results if r.failed]
     if failed:
-        if not existed:  # the write probe made it (kept while the hosts may still probe it): the run stops
-            try:
-                os.rmdir(model_dir)
-            except OSError:
-                pass
+        storage.remove_empty(created)  # the run stops: the folders the write probe made go again
         more = f" (and {len(failed) - 1} more: python -m tfpod.doctor lists them)" if len(failed) > 1 else ""
         raise UserError(failed[0].message() + more)
     runtime_ms = (known["devices"] - known["gpu"]) * 1e3  # the run starts the runtime anyway

@@ -38,6 +38,25 @@ def _tree_bytes(folder: str) -> int:
     return total
 
 
+def missing_folders(path: str) -> list[str]:
+    """The folders of `path` (itself included) that do not exist yet, deepest first."""
+    created, path = [], os.path.abspath(path)
+    while not os.path.exists(path):
+        created.append(path)
+        path = os.path.dirname(path)
+    return created
+
+
+def remove_empty(folders: list[str]) -> None:
+    """Removes these folders (deepest first, as `missing_folders` lists them) while they are
+    empty: a folder something else filled meanwhile stays, and so do those above it."""
+    for folder in folders:
+        try:
+            os.rmdir(folder)
+        except OSError:
+            break
+
+
 def probe_write(model_dir: str, size: int, host_id: int, keep_folders: bool = False) -> float:
     """Writes `size` bytes (at least one) to a scratch file in model_dir, fsyncs and removes it;
     folders it had to create are removed again unless `keep_folders` (the preflight: the run
@@ -48,10 +67,7 @@ def probe_write(model_dir: str, size: int, host_id: int, keep_folders: bool = Fa
     Raises:
       OSError: model_dir cannot be created or written.
     """
-    created, path = [], os.path.abspath(model_dir)
-    while not os.path.exists(path):
-        created.append(path)
-        path = os.path.dirname(path)
+    created = missing_folders(model_dir)
     probe = os.path.join(model_dir, f".tfpod-doctor-{host_id}-{os.getpid()}")
     try:
         os.makedirs(model_dir, exist_ok=True)
@@ -67,11 +83,8 @@ def probe_write(model_dir: str, size: int, host_id: int, keep_folders: bool = Fa
     finally:
         if os.path.exists(probe):
             os.remove(probe)
-        for folder in [] if keep_folders else created:  # deepest first; a folder another host filled meanwhile stays
-            try:
-                os.rmdir(folder)
-            except OSError:
-                break
+        if not keep_folders:
+            remove_empty(created)
 
 
 def model_dir_checks(model_dir: str, checkpoint: tuple[int, int] | str, keep: int, write_bytes: int,
