@@ -135,7 +135,7 @@ def flat_caller(concrete, *example_args):
     except Exception:  # noqa: BLE001  (another TensorFlow's internals: the plain call)
         return concrete
     leaves = [x for x in tf.nest.flatten(example_args) if x is not None]
-    ours = flat(example_args)
+    ours = [x if isinstance(x, tf.Tensor) else tf.convert_to_tensor(x) for x in leaves]  # (as `flat`)
     same = lambda a, b, leaf: a is leaf or (not isinstance(leaf, tf.Tensor) and isinstance(a, tf.Tensor)  # noqa: E731
                                             and a.dtype == b.dtype and a.shape == b.shape)
     if len(theirs) != len(ours) or not all(same(a, b, leaf) for a, b, leaf in zip(theirs, ours, leaves)):

@@ -148,8 +148,9 @@ def _shard_lookup(shard: Shard, ids: tf.Tensor, dtype, pooled: bool) -> tf.Tenso
 @dataclasses.dataclass
 class Held:
     """Every table's partial lookups held in DVariables of their layouts (`Tables.hold`): the
-    step reads them and `Tables.apply` overwrites them, on each device, with the next step's,
-    so no DTensor is packed between steps (a pack costs a fixed ~0.1-0.5 ms on the host)."""
+    step reads them and `Tables.apply` (or `Tables.lookup_into`) overwrites them, on each
+    device, with the next step's, so no DTensor is packed between steps (a pack costs a
+    fixed ~0.1-0.5 ms on the host)."""
 
     variables: dict  # table name -> DVariable [row shards, batch, (hot,) width]
     handles: list  # per table, per local device: its piece's resource handle
@@ -158,9 +159,14 @@ class Held:
         """{table name: partial lookups}, inside the step's trace."""
         return {name: v.read_value() for name, v in self.variables.items()}
 
-    def assign(self, partials: Mapping[str, tf.Tensor]) -> None:
-        for name, v in self.variables.items():
-            v.assign(partials[name])
+
+def _write(parts: Sequence, handles: Sequence) -> None:
+    """Each device's partial lookups (per table, per device) into its piece of a Held's
+    DVariables (per table, per device), on that device."""
+    for pieces, held in zip(parts, handles):
+        for piece, handle in zip(pieces, held):
+            with tf.device(piece.device):
+                tf.raw_ops.AssignVariableOp(resource=handle, value=piece)
 
 
 class Tables:
@@ -195,6 +201,7 @@ class Tables:
                                                                     []))
             self.tables.append(Table(layer, variable, rule, row_axis, col_axis, shards, marker=marker))
         self._lookup = tf.function(self._lookups)
+        self._lookup_into = tf.function(lambda ids_list, handles: _write(self._lookups(ids_list), handles))
         self._apply = tf.function(self._apply_all)
         self._concrete = {}
         self._compiled = {}
@@ -267,10 +274,16 @@ class Tables:
         """`lookup` of each table's global ids (`global_ids`)."""
         return self._pack(self._lookup(list(ids_list)))
 
-    def hold(self, partials: Mapping[str, tf.Tensor]) -> Held:
-        """New DVariables holding these partial lookups (`lookup_ids`'), for `apply(..., into=)`."""
+    def hold(self, ids_list: Sequence) -> Held:
+        """New DVariables holding the partial lookups of these global ids (`lookup_ids`'), which
+        `lookup_into` and `apply(..., into=)` overwrite with later ones of the same shapes."""
+        partials = self.lookup_ids(ids_list)
         variables = {t.name: dtensor.DVariable(partials[t.name], trainable=False) for t in self.tables}
         return Held(variables, [dtensor.unpack(variables[t.name].handle) for t in self.tables])
+
+    def lookup_into(self, ids_list: Sequence, into: Held) -> None:
+        """`lookup_ids` written straight into `into` (`hold`'s, for ids of the same shapes)."""
+        self._lookup_into(list(ids_list), into.handles)
 
     def scope(self, partials: Mapping[str, tf.Tensor]) -> layer_lib.LookupScope:
         """The lookup scope a step's trace enters with these partial lookups (DTensors)."""
@@ -309,10 +322,7 @@ class Tables:
         parts = self._lookups(next_ids, after=ops)
         if into is None:
             return parts
-        for pieces, handles in zip(parts, into):
-            for piece, handle in zip(pieces, handles):
-                with tf.device(piece.device):
-                    tf.raw_ops.AssignVariableOp(resource=handle, value=piece)
+        _write(parts, into)
         return None
 
     def apply(self, rows: Sequence[tuple], hyper: tf.Tensor, next_ids: Sequence | None = None,
