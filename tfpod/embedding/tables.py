@@ -129,19 +129,22 @@ def _shards(variable, slots: Sequence, mesh) -> tuple[str | None, str | None, li
 def _shard_lookup(shard: Shard, ids: tf.Tensor, dtype, pooled: bool) -> tf.Tensor:
     """One device's partial lookup: ids [batch, hot] -> [1, batch, width] (pooled) or
     [1, batch, hot, width], from the rows its shard holds (zero elsewhere)."""
-    batch, hot = tf.shape(ids)[0], tf.shape(ids)[1]
+    if ids.shape.is_fully_defined():  # (static shapes: fewer ops, which cost more than the work here)
+        batch, hot = ids.shape
+    else:
+        batch, hot = tf.shape(ids)[0], tf.shape(ids)[1]
     width = shard.col_hi - shard.col_lo
     if shard.handle is None:  # no rows of this table here
         return tf.zeros(tf.stack([1, batch, width]) if pooled else tf.stack([1, batch, hot, width]), dtype)
     flat = tf.reshape(ids, [-1])  # [batch * hot]
-    owned = (flat >= shard.lo) & (flat < shard.hi)
-    where = tf.cast(tf.where(owned)[:, 0], tf.int32)  # positions of the ids this shard holds
-    local = tf.cast(tf.gather(flat, where), tf.int32) - shard.lo
+    where = tf.where((flat >= shard.lo) & (flat < shard.hi))[:, 0]  # positions of the ids this shard holds
+    local = tf.gather(flat, where) - tf.cast(shard.lo, flat.dtype)
     rows = tf.raw_ops.ResourceGather(resource=shard.handle, indices=local, dtype=dtype)  # [m, width]
     rows = tf.ensure_shape(rows, [None, width])
     if pooled:
-        return tf.math.unsorted_segment_sum(rows, where // hot, batch)[None]  # [1, batch, width]
-    out = tf.scatter_nd(where[:, None], rows, tf.stack([batch * hot, width]))
+        segments = where if isinstance(hot, int) and hot == 1 else where // tf.cast(hot, where.dtype)
+        return tf.math.unsorted_segment_sum(rows, segments, batch)[None]  # [1, batch, width]
+    out = tf.scatter_nd(where[:, None], rows, tf.cast(tf.stack([batch * hot, width]), where.dtype))
     return tf.reshape(out, tf.stack([1, batch, hot, width]))
 
 
@@ -308,9 +311,12 @@ class Tables:
                 if shard.handle is None:  # no rows of this table here
                     continue
                 with tf.device(shard.device):
-                    mine = (ids[k] >= shard.lo) & (ids[k] < shard.hi) & finite
-                    local = tf.boolean_mask(ids[k], mine) - shard.lo
-                    grads = tf.boolean_mask(rows[k][:, shard.col_lo:shard.col_hi], mine)
+                    # (where + gather: half of boolean_mask's ops, which cost more than the work here)
+                    mine = tf.where((ids[k] >= shard.lo) & (ids[k] < shard.hi) & finite)[:, 0]
+                    local = tf.gather(ids[k], mine) - shard.lo
+                    grads = tf.gather(rows[k], mine)
+                    if (shard.col_lo, shard.col_hi) != (0, rows[k].shape[1]):
+                        grads = grads[:, shard.col_lo:shard.col_hi]
                     applied = sparse_apply(table.rule, shard.handle, shard.slots, local, grads, lr, step)
                     with tf.control_dependencies([applied]):
                         # the sparse kernels put the shard in copy-on-read mode, where every read of
