@@ -125,9 +125,11 @@ def flat_caller(concrete, *example_args):
     import tensorflow as tf
     from tensorflow.python.eager.polymorphic_function import function_type_utils
 
-    def flat(args):  # (NumPy arrays become tensors, as the plain call converts them)
-        return [x if isinstance(x, tf.Tensor) else tf.convert_to_tensor(x) for x in tf.nest.flatten(args)
-                if x is not None]
+    def convert(x):  # (NumPy arrays become tensors, as the plain call converts them)
+        return x if isinstance(x, tf.Tensor) else tf.convert_to_tensor(x)
+
+    def flat(args):
+        return [convert(x) for x in tf.nest.flatten(args) if x is not None]
 
     try:
         bound = function_type_utils.canonicalize_function_inputs(example_args, {}, concrete.function_type)
@@ -135,7 +137,7 @@ def flat_caller(concrete, *example_args):
     except Exception:  # noqa: BLE001  (another TensorFlow's internals: the plain call)
         return concrete
     leaves = [x for x in tf.nest.flatten(example_args) if x is not None]
-    ours = [x if isinstance(x, tf.Tensor) else tf.convert_to_tensor(x) for x in leaves]  # (as `flat`)
+    ours = [convert(x) for x in leaves]
     same = lambda a, b, leaf: a is leaf or (not isinstance(leaf, tf.Tensor) and isinstance(a, tf.Tensor)  # noqa: E731
                                             and a.dtype == b.dtype and a.shape == b.shape)
     if len(theirs) != len(ours) or not all(same(a, b, leaf) for a, b, leaf in zip(theirs, ours, leaves)):

@@ -346,12 +346,12 @@ class Tables:
         Returns:
           The next step's partial lookups (as `lookup`), or None (also when held `into`).
         """
-        ids_list = [dtensor.unpack(i) for i, _ in rows]
-        rows_list = [dtensor.unpack(v) for _, v in rows]
-        args = (ids_list, rows_list, dtensor.unpack(hyper), None if next_ids is None else list(next_ids),
-                None if into is None or next_ids is None else into.handles)
+        into = None if next_ids is None else into
         # (its concrete function per shapes, called directly: no matching of the arguments each step)
-        key = tuple(tuple(x.shape) if x is not None else None for x in tf.nest.flatten(args[:2] + args[3:]))
+        key = (tuple((tuple(i.shape), tuple(v.shape)) for i, v in rows),
+               None if next_ids is None else tuple(tuple(i.shape) for i in next_ids), into is None)
+        args = ([dtensor.unpack(i) for i, _ in rows], [dtensor.unpack(v) for _, v in rows], dtensor.unpack(hyper),
+                None if next_ids is None else list(next_ids), None if into is None else into.handles)
         if key not in self._concrete:
             self._concrete[key] = compat.flat_caller(self._apply.get_concrete_function(*args), *args)
         parts = self._concrete[key](*args)
