@@ -95,6 +95,30 @@ def test_tiny_recipe_reaches_its_teachers_auc(tmp_path):
     assert final["auc"] >= final["teacher_auc"] - 0.01, final
 
 
+def test_one_device_steps_called_past_dtensor_equal_dtensors_calls(tmp_path, monkeypatch):
+    """On a mesh of one device the tables' loop calls the step's program as DTensor expanded it,
+    directly (compat.dtensor_local_program), from a loop call's third step on: the same losses,
+    eval and weights as every step called through DTensor."""
+    from tfpod import compat
+    from tfpod.embedding import executor
+
+    found = []
+    program = compat.dtensor_local_program
+    monkeypatch.setattr(compat, "dtensor_local_program", lambda *a: found.append(program(*a)) or found[-1])
+    params = SMALL + ["train.steps=8", "train.steps_per_loop=8", "train.log_every=8", "train.eval_every=8"]
+    direct, through = str(tmp_path / "direct"), str(tmp_path / "through")
+    run(["gin/dlrm_tiny.gin"], params, direct, mode="train_and_eval", mesh=device_mesh("data:1"))
+    assert found and found[-1] is not None and len(found) <= executor._CompiledStep.TRIES
+    monkeypatch.setattr(executor._CompiledStep, "TRIES", 0)
+    run(["gin/dlrm_tiny.gin"], params, through, mode="train_and_eval", mesh=device_mesh("data:1"))
+    assert losses(direct) == losses(through) and list(losses(direct)) == [8]
+    assert records(direct, "eval")[-1]["auc"] == records(through, "eval")[-1]["auc"]
+    a, b = (tf.train.load_checkpoint(tf.train.latest_checkpoint(os.path.join(d, "checkpoints")))
+            for d in (direct, through))
+    for name in a.get_variable_to_shape_map():
+        np.testing.assert_array_equal(a.get_tensor(name), b.get_tensor(name), err_msg=name)
+
+
 TINY = dlrm.DLRMConfig(table_sizes=(40, 12, 9), multi_hot_sizes=(3, 1, 2), embedding_dim=4, bottom_mlp=(8, 4),
                        top_mlp=(8, 1), cross_layers=1, cross_rank=4, row_multiple=4)
 

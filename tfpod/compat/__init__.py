@@ -16,7 +16,8 @@ Its modules, by what they touch (this package re-exports their names: `compat.<n
   keras_attention   MultiHeadAttention's (and CachedAttention's) steps, projections, dropout
   model_garden      Model Garden layers: embeddings' switches, BertEncoderV2's parts
   tf_core           TensorFlow: checkpoints, oneDNN, variable handles, tf.data and DTensor
-                    iterators; sacrebleu's statistics
+                    iterators, a 1-device mesh's DTensor program called directly; sacrebleu's
+                    statistics
 
 Public API (tf_keras.Model, tf_keras.layers.*, tf.data, dtensor) is used directly elsewhere.
 """
@@ -48,4 +49,5 @@ from tfpod.compat.model_garden import (encoder_attention_mask, encoder_embedding
 from tfpod.compat.tf_core import (bleu_sentence_statistics, bound_objects, checkpoint_object_graph,
                                   checkpoint_objects, dtensor_iterator_base, flat_caller, iterator_resource,
                                   onednn_enabled, pack_resources, record_checkpoint, set_iterator_element_layouts,
-                                  share_variable_handle_programs, unary_dataset_base, variant_tensor)
+                                  share_variable_handle_programs, unary_dataset_base, variant_tensor,
+                                  dtensor_local_program)

@@ -140,6 +140,8 @@ def _shard_lookup(shard: Shard, ids: tf.Tensor, dtype, pooled: bool) -> tf.Tenso
     where = tf.where((flat >= shard.lo) & (flat < shard.hi))[:, 0]  # positions of the ids this shard holds
     local = tf.gather(flat, where) - tf.cast(shard.lo, flat.dtype)
     rows = tf.raw_ops.ResourceGather(resource=shard.handle, indices=local, dtype=dtype)  # [m, width]
+    with tf.control_dependencies([rows]):  # (a gather puts the shard in copy-on-read mode, as the sparse updates do)
+        tf.raw_ops.DisableCopyOnRead(resource=shard.handle)
     rows = tf.ensure_shape(rows, [None, width])
     if pooled:
         segments = where if isinstance(hot, int) and hot == 1 else where // tf.cast(hot, where.dtype)
@@ -346,13 +348,20 @@ class Tables:
         Returns:
           The next step's partial lookups (as `lookup`), or None (also when held `into`).
         """
+        return self.apply_local([(dtensor.unpack(i), dtensor.unpack(v)) for i, v in rows], dtensor.unpack(hyper),
+                                next_ids, into)
+
+    def apply_local(self, rows: Sequence[tuple], hyper: Sequence, next_ids: Sequence | None = None,
+                    into: Held | None = None) -> dict | None:
+        """`apply` of the rows' and hyper's components: per table (ids, values), each a list of
+        one tensor per local device, and hyper's list."""
         into = None if next_ids is None else into
         # (its concrete function per shapes, called directly: no matching of the arguments each step)
-        key = (tuple((tuple(i.shape), tuple(v.shape)) for i, v in rows),
+        key = (tuple((tuple(i[0].shape), tuple(v[0].shape)) for i, v in rows),
                None if next_ids is None else tuple(tuple(i.shape) for i in next_ids), into is None)
-        args = ([dtensor.unpack(i) for i, _ in rows], [dtensor.unpack(v) for _, v in rows], dtensor.unpack(hyper),
-                None if next_ids is None else list(next_ids), None if into is None else into.handles)
+        args = ([i for i, _ in rows], [v for _, v in rows], list(hyper), None if next_ids is None else list(next_ids),
+                None if into is None else into.handles)
         if key not in self._concrete:
             self._concrete[key] = compat.flat_caller(self._apply.get_concrete_function(*args), *args)
         parts = self._concrete[key](*args)
-        return None if parts is None or args[-1] is not None else self._pack(parts)
+        return None if parts is None or into is not None else self._pack(parts)
