@@ -102,6 +102,8 @@ class _CompiledStep:
         if self.tries and not first:
             self.tries -= 1
             self.direct = compat.dtensor_local_program(self.concrete, tf.nest.flatten((stacked, index)), "_direct")
+            # (its flat outputs are read as loss, norm, each table's ids and values, hyper)
+            assert len(tf.nest.flatten(self.concrete.structured_outputs)) == 3 + 2 * len(rows)
         return loss, norm, [(dtensor.unpack(i), dtensor.unpack(v)) for i, v in rows], dtensor.unpack(hyper)
 
 
@@ -195,13 +197,13 @@ class TablesExecutor(OneMesh):
         return loss, grads
 
     def make_loop(self, step: StepFn, steps_per_loop: int) -> LoopFn:
-        """The host loop: each step's compiled call (on a mesh of one device, from a loop call's
-        third step on, DTensor's program of it called directly: `_CompiledStep`), then its rows
-        applied to the shards in the same call as the next step's lookups; the losses and norms
-        fetched once at the end. (TensorFlow's asynchronous eager execution would overlap the host's calls with the
-        device's work, but it does not keep the DTensor step after the ordinary update
-        function whose writes it reads: tried, dlrm_tiny's AUC fell to 0.852, 0.016 below its
-        teacher's.)"""
+        """The host loop: each step's compiled call (on a mesh of one device, from the first
+        loop call's third step on, DTensor's program of it called directly: `_CompiledStep`),
+        then its rows applied to the shards in the same call as the next step's lookups; the
+        losses and norms fetched once at the end. (TensorFlow's asynchronous eager execution
+        would overlap the host's calls with the device's work, but it does not keep the
+        DTensor step after the ordinary update function whose writes it reads: tried,
+        dlrm_tiny's AUC fell to 0.852, 0.016 below its teacher's.)"""
         del steps_per_loop  # one compiled call per step, as many as the packed steps asked for
         tables, homes, order = self.tables, self._homes, self._order
 
